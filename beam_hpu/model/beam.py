@@ -31,7 +31,6 @@ from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_t
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.fused_moe.layer import fused_moe_make_expert_params_mapping
-from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -99,6 +98,25 @@ class BeamMLP(nn.Module):
         return out
 
 
+class BeamRouter(nn.Module):
+    """[T, H] -> [T, E] fp32 router logits, never quantised (the checkpoint stores it in fp32).
+
+    A plain module on purpose, not vLLM's GateLinear: on CPU, vLLM 0.30.0 repacks every unquantised
+    linear's weight and leaves an empty tensor of the default dtype behind, so GateLinear's fp32
+    path then casts bf16 activations for an fp32 kernel and returns garbage (NaN in bf16 serving).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # The (output, bias) pair is the linear-layer convention the MoE runner unpacks.
+        return F.linear(x.float(), self.weight), None
+
+
 class BeamMoE(nn.Module):
     """Grouped top-k MoE: fp32 sigmoid router + correction bias (selection only), E experts in
     `n_group` groups, keep `topk_group` groups by the sum of their top-2 biased scores, top-k within
@@ -106,13 +124,7 @@ class BeamMoE(nn.Module):
 
     def __init__(self, config, quant_config: QuantizationConfig | None, prefix: str = "") -> None:
         super().__init__()
-        # The router is never quantised and computes in fp32 (the checkpoint stores it in fp32).
-        self.gate = GateLinear(
-            config.hidden_size, config.num_experts, bias=False, out_dtype=torch.float32,
-            params_dtype=torch.float32, force_fp32_compute=True, prefix=f"{prefix}.gate",
-        )
-        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
-                                                         requires_grad=False)
+        self.gate = BeamRouter(config.hidden_size, config.num_experts)
         self.experts = FusedMoEFactory(
             gate=self.gate,
             num_experts=config.num_experts,

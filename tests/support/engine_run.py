@@ -5,6 +5,7 @@ gets a clean process, as vLLM expects, and pytest's process never holds an engin
 Jobs:
   {"prompt_logprobs": [ids]}             -> logprob of each prompt token given its prefix
   {"greedy": [ids], "max_tokens": n}     -> greedy token ids and their logprobs
+  {"decode_vs_prefill": [ids], "max_tokens": n} -> decoded logprobs and the same tokens' prompt logprobs
 """
 
 import json
@@ -28,6 +29,8 @@ def run(spec: dict) -> dict:
         kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
         skip_tokenizer_init=True,
         seed=0,
+        # Off unless asked: a prefix-cache hit would skip the very prefill a test compares against.
+        enable_prefix_caching=spec.get("prefix_caching", False),
         **spec.get("engine_kwargs", {}),
     )
     results = []
@@ -45,6 +48,20 @@ def run(spec: dict) -> dict:
             o = out[0].outputs[0]
             results.append({"tokens": list(o.token_ids),
                             "logprobs": [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]})
+        elif "decode_vs_prefill" in job:
+            # Greedy-decode past the window, then re-feed prompt + output as one prompt: each decoded
+            # token's logprob must equal its prompt logprob (paged decode vs prefill attention).
+            ids, n = job["decode_vs_prefill"], job["max_tokens"]
+            out = llm.generate([{"prompt_token_ids": ids}],
+                               SamplingParams(max_tokens=n, temperature=0, logprobs=0, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+            full = ids + list(out.token_ids)
+            again = llm.generate([{"prompt_token_ids": full}],
+                                 SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
+                                 use_tqdm=False)[0].prompt_logprobs
+            results.append({"tokens": list(out.token_ids),
+                            "decode": [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)],
+                            "prefill": [again[len(ids) + i][t].logprob for i, t in enumerate(out.token_ids)]})
         else:
             raise ValueError(f"unknown job {job}")
     return {"results": results}

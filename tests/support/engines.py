@@ -26,9 +26,11 @@ def run_engine(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="aut
         spec_path, out_path = Path(d, "spec.json"), Path(d, "out.json")
         spec_path.write_text(json.dumps(spec))
         proc = subprocess.run([sys.executable, "-m", "tests.support.engine_run", str(spec_path), str(out_path)],
-                              cwd=REPO, env=cpu_env(tp), capture_output=True, text=True, timeout=timeout)
+                              cwd=REPO, env=cpu_env(tp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+            # vLLM logs worker tracebacks on stdout: keep both streams, whole, for the failure message.
+            raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stdout}")
         return json.loads(out_path.read_text())["results"]
 
 

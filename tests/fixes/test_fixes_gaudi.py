@@ -137,3 +137,31 @@ def test_moe_explicit_overload(gaudi_tree, stock):
         assert out == "['packet'] ['packet'] ['packet']"
     else:  # explicit overloads; the packet only when the build lacks the overload
         assert out == "['fp8_fused_weights_dynamic'] ['fp8_fused_weights'] ['packet']"
+
+
+def so_branch_orders(source: str) -> tuple[list[str], list[str]]:
+    """In sample_tokens' structured-output branch: (order of the logits rows, order of the
+    request ids given to _run_sampling), each as the names of the pieces concatenated."""
+    tree = ast.parse(source)
+    sample = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "sample_tokens")
+    branch = next(n for n in ast.walk(sample) if isinstance(n, ast.If)
+                  and ast.unparse(n.test) == "self.use_structured_output")
+    rows = next(n.value for n in ast.walk(branch) if isinstance(n, ast.Assign)
+                and ast.unparse(n.targets[0]) == "logits_combined")
+    call = next(n for n in ast.walk(branch) if isinstance(n, ast.Call)
+                and ast.unparse(n.func) == "self._run_sampling")
+    pieces = lambda expr: [ast.unparse(expr.left), ast.unparse(expr.right)]  # noqa: E731
+    return ([p.removeprefix("logits_") for p in pieces(rows)],
+            [p.removeprefix("pd_info.").removesuffix("_req_ids") for p in pieces(call.args[2])])
+
+
+@pytest.mark.parametrize("stock", [True, False])
+def test_structured_output_rows_follow_the_logits(gaudi_tree, stock):
+    """Structural: the real sample_tokens must take the request ids in the rows' order. (The
+    mixed prompt+decode sampling step itself is not run on CPU here.)"""
+    root, checkouts = gaudi_tree
+    if not stock:
+        assert apply(root, checkouts).exit_code == EXIT_OK
+    rows, ids = so_branch_orders((root / "vllm_gaudi/v1/worker/hpu_model_runner.py").read_text())
+    assert rows == ["decode", "prompt"]
+    assert (ids == rows) is (not stock)

@@ -1,0 +1,106 @@
+"""A profile: the image it expects (package versions and commits) and its fixes, in order.
+
+Profiles are data (`profiles/<name>.toml`), one per release. A stand-in profile may `extends`
+another and override single fields (e.g. the expected commit of a public stand-in tree).
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from fixes.unit import FixUnit, UnitError, load_unit, missing_unit
+
+FIXES_DIR = Path(__file__).resolve().parent
+PROFILES_DIR = FIXES_DIR / "profiles"
+
+
+class ProfileError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class PackageSpec:
+    module: str  # top-level import name, e.g. "vllm_gaudi"
+    distributions: tuple[str, ...]
+    commit: str
+    version: str | None  # None: the release does not pin a version string
+    known_builds: dict[str, str]  # "dist==version" -> commit, for builds that record none
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    packages: dict[str, PackageSpec]
+    fixes: tuple[FixUnit, ...]
+
+
+def available_profiles(profiles_dir: Path = PROFILES_DIR) -> list[str]:
+    return sorted(p.stem for p in profiles_dir.glob("*.toml"))
+
+
+def load_profile(name: str, profiles_dir: Path = PROFILES_DIR) -> Profile:
+    data = _read_merged(name, profiles_dir, seen=())
+    try:
+        packages = {m: _package(m, spec) for m, spec in data["packages"].items()}
+        names = list(data["fixes"])
+    except (KeyError, TypeError) as exc:
+        raise ProfileError(f"profile {name}: missing or malformed {exc}") from exc
+    if len(set(names)) != len(names):
+        raise ProfileError(f"profile {name}: a fix is listed twice")
+    units_dir = FIXES_DIR / data.get("units_dir", "units")
+    units = []
+    for fix in names:
+        path = units_dir / f"{fix}.toml"
+        if not path.is_file():  # listed but not written yet: every run refuses it, by name
+            units.append(missing_unit(fix, path))
+            continue
+        try:
+            unit = load_unit(path)
+        except UnitError as exc:
+            raise ProfileError(f"profile {name}: {exc}") from exc
+        if unit.package not in packages:
+            raise ProfileError(f"profile {name}: fix {fix} targets {unit.package}, not in [packages]")
+        units.append(unit)
+    return Profile(name, data.get("description", "").strip(), packages, tuple(units))
+
+
+def _read_merged(name: str, profiles_dir: Path, seen: tuple[str, ...]) -> dict:
+    if name in seen:
+        raise ProfileError(f"profile {name}: extends itself through {' -> '.join(seen)}")
+    path = profiles_dir / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(available_profiles(profiles_dir)) or "none"
+        raise ProfileError(f"no profile {name!r} in {profiles_dir} (known: {known})")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: {exc}") from exc
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    return _merge(_read_merged(base, profiles_dir, seen + (name,)), data)
+
+
+def _merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = _merge(base[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _package(module: str, spec: dict) -> PackageSpec:
+    commit = str(spec["commit"]).lower().removeprefix("g")
+    if len(commit) < 7 or any(c not in "0123456789abcdef" for c in commit):
+        raise ProfileError(f"package {module}: commit {spec['commit']!r} is not a 7+ digit hex id")
+    return PackageSpec(
+        module=module,
+        distributions=tuple(spec["distributions"]),
+        commit=commit,
+        version=spec.get("version"),
+        known_builds=dict(spec.get("known_builds", {})),
+    )

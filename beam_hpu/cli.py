@@ -1,2 +1,132 @@
-def main():
-    pass
+"""`beam-hpu`: tiny checkpoints and the CPU demo.
+
+  beam-hpu tiny DIR [--preset small|wide] [--dtype bfloat16|float32] [--seed N]
+  beam-hpu demo [--dir DIR] [--port 8000] [--tp 1] [--ep] [--print-only]
+
+`demo` is the project's main job on a machine without Gaudi: it writes a tiny Beam checkpoint and
+serves it with `vllm serve`, using every flag of the recipe's launch block that means something on
+CPU (see `serve_command`), so the same plugin, model and parsers run as on the Gaudi node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+DEFAULT_DEMO_DIR = Path(".beam-hpu/tiny-demo")
+SERVED_NAME = "beam-tiny"
+
+
+def serve_command(model_dir: str | Path, *, port: int = 8000, tp: int = 1, ep: bool = False,
+                  max_model_len: int = 4096, extra: list[str] | None = None) -> list[str]:
+    """`vllm serve` for a tiny Beam on CPU, flag for flag from the Gaudi recipe where it applies.
+
+    Kept from the recipe: --dtype bfloat16, --block-size 128, --max-num-seqs 16,
+    --max-num-batched-tokens 4096, --enable-prefix-caching, --enable-prompt-tokens-details,
+    --enable-expert-parallel (with --ep), the `beam` parsers once their room is installed.
+    Changed for CPU, and why: --enforce-eager (the recipe forbids it on HPU because eager decode
+    is host-bound there; on CPU it only skips a minutes-long inductor compile of a tiny model);
+    --max-model-len 4096 (the tiny model's positions); no --gpu-memory-utilization (CPU sizes the
+    KV cache from VLLM_CPU_KVCACHE_SPACE); no --async-scheduling and no
+    --max-cudagraph-capture-size (vLLM's CPU platform turns both off).
+    """
+    vllm = shutil.which("vllm", path=os.path.dirname(sys.executable)) or "vllm"
+    cmd = [
+        vllm, "serve", str(model_dir),
+        "--served-model-name", SERVED_NAME,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--tensor-parallel-size", str(tp),
+        "--dtype", "bfloat16",
+        "--block-size", "128",
+        "--max-model-len", str(max_model_len),
+        "--max-num-seqs", "16",
+        "--max-num-batched-tokens", "4096",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--enforce-eager",
+    ]
+    if ep:
+        cmd.append("--enable-expert-parallel")
+    cmd += loader_flags() + parser_flags()
+    return cmd + list(extra or [])
+
+
+def loader_flags() -> list[str]:
+    """`--load-format beam` when the loader room is installed."""
+    try:
+        import beam_hpu.loader  # noqa: F401
+    except ImportError:
+        return []
+    return ["--load-format", "beam"]
+
+
+def parser_flags() -> list[str]:
+    """The recipe's parser flags when the parsers room is installed."""
+    try:
+        import beam_hpu.parsers  # noqa: F401
+    except ImportError:
+        return []
+    return ["--reasoning-parser", "beam", "--enable-auto-tool-choice", "--tool-call-parser", "beam"]
+
+
+def serve_env(tp: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; plenty for a tiny model
+    if tp > 1:
+        # One NUMA node and 2 cores here: vLLM needs an explicit CPU list per rank.
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp)))
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return env
+
+
+def _tiny(args) -> int:
+    from beam_hpu.tiny import write_tiny_checkpoint
+
+    out = write_tiny_checkpoint(args.dir, args.preset, dtype=args.dtype, seed=args.seed)
+    print(f"wrote tiny Beam ({args.preset}, {args.dtype}, seed {args.seed}) to {out}")
+    return 0
+
+
+def _demo(args) -> int:
+    from beam_hpu.tiny import write_tiny_checkpoint
+
+    model_dir = write_tiny_checkpoint(args.dir, "small", dtype="bfloat16", seed=0)
+    cmd = serve_command(model_dir, port=args.port, tp=args.tp, ep=args.ep)
+    base = f"http://127.0.0.1:{args.port}/v1"
+    print(f"tiny Beam checkpoint: {model_dir}\nserving: {' '.join(cmd)}\n"
+          f"try, once it says 'Application startup complete':\n"
+          f"  curl {base}/models\n"
+          f"  curl {base}/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{SERVED_NAME}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello\"}}], "
+          f"\"max_tokens\": 32}}'", flush=True)
+    if args.print_only:
+        return 0
+    os.execvpe(cmd[0], cmd, serve_env(args.tp))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="beam-hpu", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("tiny", help="write a tiny deterministic Beam checkpoint")
+    t.add_argument("dir")
+    t.add_argument("--preset", default="small")
+    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_tiny)
+    d = sub.add_parser("demo", help="write a tiny Beam and serve it with `vllm serve` on CPU")
+    d.add_argument("--dir", default=str(DEFAULT_DEMO_DIR))
+    d.add_argument("--port", type=int, default=8000)
+    d.add_argument("--tp", type=int, default=1)
+    d.add_argument("--ep", action="store_true", help="--enable-expert-parallel (use with --tp 2)")
+    d.add_argument("--print-only", action="store_true", help="print the serve command, do not run it")
+    d.set_defaults(func=_demo)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

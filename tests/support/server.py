@@ -1,0 +1,70 @@
+"""A real `vllm serve` process for end-to-end tests: started with the demo's own command line,
+waited for on /health, stopped (process group) at teardown."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from beam_hpu.cli import SERVED_NAME, serve_command, serve_env
+from tests.support.engines import REPO
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir, *, tp=1, ep=False, extra=None, env=None, log_path=None, timeout=600):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.model = SERVED_NAME
+        self.cmd = serve_command(model_dir, port=self.port, tp=tp, ep=ep, extra=extra)
+        full_env = serve_env(tp)
+        full_env["PYTHONPATH"] = str(REPO)
+        full_env.update(env or {})
+        self.log_path = Path(log_path or f"/tmp/beam-hpu-serve-{self.port}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._wait(timeout)
+
+    def _wait(self, timeout):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_text()[-8000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"vllm serve not healthy after {timeout}s:\n{self.log_text()[-8000:]}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()

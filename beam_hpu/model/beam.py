@@ -16,7 +16,7 @@ ops and attention backend and here to vLLM's CPU ones. Shapes: T = tokens in the
 D = head_dim, Nq / Nkv = local query / KV heads, E = experts.
 """
 
-# No `from __future__ import annotations`: @support_torch_compile reads real forward annotations.
+# No `from __future__ import annotations`: the torch-compile decorator reads real forward annotations.
 
 import math
 from collections.abc import Iterable
@@ -67,9 +67,16 @@ def ssmax_query_scale(positions: torch.Tensor) -> torch.Tensor:
     return torch.exp(SSMAX_POWER * torch.log1p((positions.float() + 1.0) / SSMAX_LENGTH))[:, None, None]
 
 
-def depth_scaled_residual_add(update: torch.Tensor, residual: torch.Tensor, add_index: int) -> torch.Tensor:
-    """The k-th residual add keeps the stream's scale: update / sqrt(k) + residual * sqrt((k-1)/k)."""
-    return update * (1.0 / math.sqrt(add_index)) + residual * math.sqrt((add_index - 1) / add_index)
+def depth_scaled_norm_eps(eps: float, add_index: int) -> float:
+    """The eps that makes RMSNorm of the un-scaled residual sum equal Beam's norm of its stream.
+
+    Beam's k-th residual add is h_k = u / sqrt(k) + h_{k-1} * sqrt((k-1)/k) (k counts adds from the
+    embedding, h_1). With g_k = sqrt(k) * h_k this is a plain sum, g_k = u + g_{k-1}, and
+    RMSNorm(h_k, eps) = RMSNorm(g_k / sqrt(k), eps) = RMSNorm(g_k, k * eps) exactly. So the model
+    carries g and scales each norm's eps instead: the adds fuse into vLLM's add+RMSNorm, as in
+    every other vLLM decoder, instead of three extra element-wise ops per add.
+    """
+    return eps * add_index
 
 
 def swiglu_fp32(gate_up: torch.Tensor) -> torch.Tensor:
@@ -174,13 +181,13 @@ class BeamAttention(nn.Module):
             config.hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads, bias=False,
             quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
         )
-        # The output gate has one row per query channel, so it shards with the query heads.
+        # The output gate has one row per query channel, so it shards with the query heads. Its
+        # per-head bias is held as the linear's bias, repeated over head_dim, so it rides in the GEMM.
         self.gate_proj = ColumnParallelLinear(
-            config.hidden_size, self.total_num_heads * self.head_dim, bias=False, quant_config=quant_config,
+            config.hidden_size, self.total_num_heads * self.head_dim, bias=True, quant_config=quant_config,
             prefix=f"{prefix}.gate_proj",
         )
-        self.gate_bias = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
-        self.gate_bias.weight_loader = self._load_gate_bias
+        self.gate_proj.bias.weight_loader = self._load_gate_bias
         self.o_proj = RowParallelLinear(
             self.total_num_heads * self.head_dim, config.hidden_size, bias=False, quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
@@ -203,10 +210,12 @@ class BeamAttention(nn.Module):
         )
 
     def _load_gate_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Checkpoint `gate_bias` [Nq_total] -> this rank's [Nq * D] linear bias."""
         rank = get_tensor_model_parallel_rank()
-        param.data.copy_(loaded.narrow(0, rank * self.num_heads, self.num_heads))
+        per_head = loaded.narrow(0, rank * self.num_heads, self.num_heads)
+        param.data.copy_(per_head.repeat_interleave(self.head_dim).to(param.dtype))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ssmax_scale: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -215,16 +224,17 @@ class BeamAttention(nn.Module):
         if self.is_sliding:
             q, k = self.rotary_emb(positions, q.reshape(T, self.q_size), k.reshape(T, self.kv_size))
         else:
-            q = (q.float() * ssmax_query_scale(positions)).to(v.dtype)
+            q = (q.float() * ssmax_scale).to(v.dtype)
         out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v)  # [T, Nq*D]
-        gate, _ = self.gate_proj(x)
-        gate = gate.view(T, self.num_heads, self.head_dim) + self.gate_bias[None, :, None]
-        out = (out.view(T, self.num_heads, self.head_dim) * torch.sigmoid(gate)).reshape(T, self.q_size)
+        gate, _ = self.gate_proj(x)  # [T, Nq*D], per-head bias included
+        out = out * torch.sigmoid(gate)
         out, _ = self.o_proj(out)
         return out
 
 
 class BeamDecoderLayer(nn.Module):
+    """Sandwich norms around attention and the MLP; see `depth_scaled_norm_eps` for the residual."""
+
     def __init__(self, config, cache_config: CacheConfig | None, quant_config: QuantizationConfig | None,
                  prefix: str = "") -> None:
         super().__init__()
@@ -234,20 +244,26 @@ class BeamDecoderLayer(nn.Module):
             self.mlp = BeamMoE(config, quant_config, prefix=f"{prefix}.mlp")
         else:
             self.mlp = BeamMLP(config.hidden_size, config.intermediate_size, quant_config, prefix=f"{prefix}.mlp")
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps=eps)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps=eps)
-        # Residual adds are counted from the embedding: layer i does adds 2(i+1) and 2(i+1)+1.
-        self.attn_add_index = 2 * (layer_idx + 1)
-        self.mlp_add_index = self.attn_add_index + 1
+        eps, H = config.rms_norm_eps, config.hidden_size
+        # Layer i's attention output is residual add 2(i+1), its MLP output add 2(i+1)+1; its input
+        # is the stream after add 2i+1 (the embedding is add 1).
+        attn_add = 2 * (layer_idx + 1)
+        self.input_layernorm = RMSNorm(H, eps=depth_scaled_norm_eps(eps, attn_add - 1))
+        self.post_attention_layernorm = RMSNorm(H, eps=eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps=depth_scaled_norm_eps(eps, attn_add))
+        self.post_feedforward_layernorm = RMSNorm(H, eps=eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        attn = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(h)))
-        h = depth_scaled_residual_add(attn, h, self.attn_add_index)
-        mlp = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        return depth_scaled_residual_add(mlp, h, self.mlp_add_index)
+    def forward(self, positions: torch.Tensor, update: torch.Tensor, residual: torch.Tensor | None,
+                ssmax_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update`: the previous layer's normed MLP output (the embedding for layer 0);
+        `residual`: the un-scaled residual sum g before it (None for layer 0)."""
+        if residual is None:
+            residual, x = update, self.input_layernorm(update)
+        else:
+            x, residual = self.input_layernorm(update, residual)  # residual += update; x = norm(residual)
+        attn = self.post_attention_layernorm(self.self_attn(positions, x, ssmax_scale))
+        x, residual = self.pre_feedforward_layernorm(attn, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 @support_torch_compile
@@ -265,9 +281,11 @@ class BeamModel(nn.Module):
                                             prefix=prefix),
             prefix=f"{prefix}.layers",
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # The final norm sees the stream after the last MLP add, 2 * num_layers + 1.
+        self.norm = RMSNorm(config.hidden_size,
+                            eps=depth_scaled_norm_eps(config.rms_norm_eps, 2 * config.num_hidden_layers + 1))
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size)
+            ["hidden_states", "residual"], config.hidden_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -281,13 +299,16 @@ class BeamModel(nn.Module):
     ) -> torch.Tensor | IntermediateTensors:
         if get_pp_group().is_first_rank:
             h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
         else:
-            h = intermediate_tensors["hidden_states"]
+            h, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        ssmax_scale = ssmax_query_scale(positions)  # once per step, shared by every NoPE layer
         for layer in self.layers[self.start_layer:self.end_layer]:
-            h = layer(positions, h)
+            h, residual = layer(positions, h, residual, ssmax_scale)
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": h})
-        return self.norm(h)
+            return IntermediateTensors({"hidden_states": h, "residual": residual})
+        h, _ = self.norm(h, residual)
+        return h
 
 
 class BeamForCausalLM(nn.Module, SupportsPP):
@@ -382,11 +403,13 @@ class BeamForCausalLM(nn.Module, SupportsPP):
                 param = self._param(params, target, name)
                 param.weight_loader(param, tensor, shard)
                 return target
-        if is_pp_missing_parameter(name, self):
+        # The checkpoint's per-head `gate_bias` lives in the gate linear's bias here.
+        name_in_model = name.replace(".self_attn.gate_bias", ".self_attn.gate_proj.bias")
+        if is_pp_missing_parameter(name_in_model, self):
             return None
-        param = self._param(params, name, name)
+        param = self._param(params, name_in_model, name)
         getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        return name
+        return name_in_model
 
     @staticmethod
     def _param(params: dict, target: str, ckpt_name: str) -> nn.Parameter:

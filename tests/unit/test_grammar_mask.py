@@ -15,16 +15,6 @@ xgr = pytest.importorskip("xgrammar")
 from beam_hpu.hpu.grammar_mask import apply_token_bitmask  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Many small tensor ops: on a shared 2-core host torch's thread pool contends with other
-    # processes and makes this module ten times slower than on one thread.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def random_bitmask(rows: int, words: int, seed: int) -> torch.Tensor:
     rng = np.random.default_rng(seed)
     packed = rng.integers(-(2**31), 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)

@@ -123,6 +123,8 @@ def _covering_prompt_problems(prompts: list[Bucket], g: Geometry) -> list[str]:
                 champion = usable[i]
             best[i] = champion
         missed = []
+        # A chunk of one token is a decode step to vllm-gaudi. Chunks of one batch share the token
+        # budget; the longest that `batch` equal chunks can be is budget // batch.
         for query in range(2, min(g.max_num_batched_tokens // batch, g.max_model_len) + 1):
             need = math.ceil((g.max_model_len - query) / g.block_size)  # context before the chunk
             i = bisect.bisect_left(queries, query)

@@ -14,6 +14,7 @@ Plain functions only: nothing here imports vLLM or torch.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import math
 from collections.abc import Callable, Mapping
@@ -28,6 +29,8 @@ FSDPA_WS_UNBOUNDED_LIMIT = 32768
 FSDPA_Q_TILE_STEP = 128
 # Gaudi 2 carries 96 GB of HBM per card: a workspace bound at or above it bounds nothing.
 GAUDI2_HBM_GIB = 96
+# difflib similarity from which an unknown BEAM_* name is taken for a misspelt switch.
+MISSPELLING_CUTOFF = 0.85
 
 
 class SwitchError(ValueError):
@@ -207,10 +210,13 @@ def read_switches(env: Mapping[str, str]) -> dict[str, Any]:
             values[name] = switch.read(env)
         except SwitchError as e:
             problems.append(str(e))
-    # A misspelt switch would otherwise leave its default in force without a word.
+    # A misspelt switch would otherwise leave its default in force without a word. Only names
+    # close to a switch are refused: other BEAM_* variables (test harness knobs) are not ours.
     for name in sorted(env):
         if is_port_switch_name(name) and name not in SWITCHES:
-            problems.append(f"{name} is not a switch of the Beam port (known: {', '.join(SWITCHES)})")
+            close = difflib.get_close_matches(name, SWITCHES, n=1, cutoff=MISSPELLING_CUTOFF)
+            if close:
+                problems.append(f"{name} is not a switch of the Beam port; did you mean {close[0]}?")
     if problems:
         raise SwitchError("; ".join(problems))
     return values

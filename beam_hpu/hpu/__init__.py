@@ -1,0 +1,6 @@
+"""HPU glue for the Beam port: the plain, CPU-tested functions the runner patches call.
+
+`window`: exact sliding-window blocks and masks for paged decode and prefill with context.
+`grammar_mask`: xgrammar's packed token bitmask applied on the logits' own device.
+Nothing here imports the Habana bridge: the patches bring the tensors, these functions the math.
+"""

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Serve Beam-1.0-501B-A23B-FP8 on one 8-card Gaudi 2 node as the recipe does, in the port image.
+#
+#   serving/launch.sh MODEL [more vllm serve args, e.g. --host 0.0.0.0 --port 8000 --served-model-name beam]
+#
+# MODEL is the checkpoint directory or hub id. COOKBOOK is where the image holds this repository
+# (default /opt/gaudi-cookbook). The env block and flags are the recipe's, value for value:
+# tests/unit/test_serving.py checks them against serving/recipe.yaml and the published recipe.
+# The port refuses at startup what the recipe says not to do (beam_hpu/envs.py check_startup).
+set -euo pipefail
+
+if [ "$#" -lt 1 ]; then
+  echo "usage: $0 MODEL [vllm serve args...]" >&2
+  exit 2
+fi
+MODEL=$1
+shift
+COOKBOOK=${COOKBOOK:-/opt/gaudi-cookbook}
+
+export PT_HPU_LAZY_MODE=1
+export PT_HPU_ENABLE_LAZY_COLLECTIVES=true
+export VLLM_CONTIGUOUS_PA=false
+export VLLM_SKIP_WARMUP=true
+export VLLM_FP32_SOFTMAX=true
+export VLLM_GRAPH_RESERVED_MEM=0.4
+export VLLM_BUCKETING_FROM_FILE=/opt/gaudi-cookbook/ports/beam-1-0/serving/tp8-seqs16-256k.txt
+export VLLM_ENGINE_READY_TIMEOUT_S=7200
+export VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=3600
+export VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT=1
+export VLLM_BEAM_STREAM_TOOL_ARGS=1
+export BEAM_EXACT_ROUNDING=0
+export BEAM_PREFILL_INFLIGHT=1
+export BEAM_FSDPA_WS_GIB=2
+export BEAM_FSDPA_Q_TILE=256
+export BEAM_GRAMMAR_DEVICE_MASK=1
+
+# Fixes: the v0.30.0 profile, in the pack's order.
+# Stops with a non-zero exit code if the image does not match.
+python3 "$COOKBOOK/fixes/apply_all.py" --profile v0.30.0 || exit 1
+
+exec vllm serve "$MODEL" \
+  --tensor-parallel-size 8 \
+  --enable-expert-parallel \
+  --load-format beam \
+  --dtype bfloat16 \
+  --block-size 128 \
+  --max-model-len 262144 \
+  --max-num-seqs 16 \
+  --max-num-batched-tokens 4096 \
+  --gpu-memory-utilization 0.90 \
+  --max-cudagraph-capture-size 4 \
+  --enable-prefix-caching \
+  --enable-prompt-tokens-details \
+  --async-scheduling \
+  --reasoning-parser beam \
+  --enable-auto-tool-choice \
+  --tool-call-parser beam \
+  "$@"

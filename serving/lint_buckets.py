@@ -1,0 +1,216 @@
+"""Lint a vllm-gaudi bucket file (VLLM_BUCKETING_FROM_FILE) against the launch flags.
+
+The file is read the way vllm-gaudi's file strategy reads it: blank and `#` lines skipped,
+`range(a, b[, c])` expanded to a list (up to 10,000 elements) before `ast.literal_eval`, each line
+a tuple of three ints or lists of ints, the Cartesian product taken, query length 1 meaning a
+decode bucket. Then vllm-gaudi's filters are applied (prompt: context within max_model_len,
+batch * query within --max-num-batched-tokens; decode: batch <= blocks, blocks capped at
+batch * ceil(max_model_len / block_size)). Checked:
+
+- every line parses to something vllm-gaudi uses (it skips, crashes on or silently drops the rest);
+- every prompt chunk the flags allow (batch up to the prefill batch size, 2..max-num-batched-tokens
+  query tokens, any context that fits in max_model_len) falls in some bucket;
+- every decode batch (1..max-num-seqs sequences, any total of KV blocks up to each sequence at
+  max_model_len) falls in some bucket, and the sliding-window block list of each padded batch
+  fits that batch size's smallest bucket (else one batch shape captures two graphs);
+- no bucket is for a batch the flags never form, and the number of decode graphs stays within
+  the stated limit (each captured graph holds device memory).
+
+A runtime lookup that misses every bucket compiles a fallback graph mid-serving; a dropped or
+unreachable bucket wastes warmup time and graph memory.
+
+Usage (from the repository root): python -m serving.lint_buckets [FILE] [--recipe recipe.yaml]
+Exit status 0 when clean, 1 with one `FILE:LINE: problem` per problem otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import bisect
+import itertools
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from beam_hpu.hpu.window import window_block_count
+from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry
+
+RANGE_CALL = re.compile(r"range\(\s*(-?\d+)\s*,\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)")
+MAX_RANGE_ELEMENTS = 10_000  # vllm-gaudi leaves longer ranges unexpanded: the line then fails to parse
+
+
+@dataclass(frozen=True)
+class Bucket:
+    batch: int
+    query: int
+    blocks: int
+    line: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.batch, self.query, self.blocks)
+
+
+def expand_ranges(text: str) -> str:
+    def as_list(match: re.Match) -> str:
+        start, stop = int(match.group(1)), int(match.group(2))
+        step = int(match.group(3) or 1)
+        if step == 0 or len(range(start, stop, step)) > MAX_RANGE_ELEMENTS:
+            return match.group(0)
+        return repr(list(range(start, stop, step)))
+
+    return RANGE_CALL.sub(as_list, text)
+
+
+def parse_bucket_text(text: str) -> tuple[list[Bucket], list[str]]:
+    """Buckets (with their line numbers) and `LINE: problem` messages for lines vllm-gaudi would
+    skip or crash on."""
+    buckets, problems = [], []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            value = ast.literal_eval(expand_ranges(line))
+        except (ValueError, SyntaxError):
+            problems.append(f"{number}: vllm-gaudi skips it: not a literal (or a range over {MAX_RANGE_ELEMENTS:,}): {line}")
+            continue
+        if not isinstance(value, tuple) or len(value) != 3:
+            problems.append(f"{number}: vllm-gaudi skips it: not a tuple of 3 (batch, query, blocks): {line}")
+            continue
+        axes = [list(v) if isinstance(v, (list, range)) else [v] for v in value]
+        bad = [v for axis in axes for v in axis if type(v) is not int or v < 0]
+        if bad:
+            # vllm-gaudi int()s every element: a string stops the server, a float is truncated.
+            problems.append(f"{number}: {bad[0]!r} is not a non-negative int: {line}")
+            continue
+        if not all(axes):
+            problems.append(f"{number}: an empty list makes no bucket: {line}")
+            continue
+        buckets += [Bucket(b, q, c, number) for b, q, c in itertools.product(*axes)]
+    return buckets, problems
+
+
+def vllm_gaudi_filter(bucket: Bucket, g: Geometry) -> tuple[tuple[int, int, int] | None, str | None]:
+    """The bucket as vllm-gaudi keeps it (None if dropped), and why it was changed or dropped."""
+    b, q, c = bucket.shape
+    if q != 1:
+        if c > math.ceil((g.max_model_len - 1) / g.block_size) or q > g.max_model_len:
+            return None, f"context beyond --max-model-len {g.max_model_len}"
+        if b * q > g.max_num_batched_tokens:
+            return None, f"batch * query {b * q} over --max-num-batched-tokens {g.max_num_batched_tokens}"
+        return bucket.shape, None
+    if b > c:
+        return None, "fewer blocks than sequences"
+    cap = b * math.ceil(g.max_model_len / g.block_size)
+    if c > cap:
+        return (b, q, cap), f"cut to {cap} blocks, all {b} sequences at --max-model-len"
+    return bucket.shape, None
+
+
+def _covering_prompt_problems(prompts: list[Bucket], g: Geometry) -> list[str]:
+    problems = []
+    for batch in range(1, g.max_prefill_batch_size + 1):
+        usable = sorted((p for p in prompts if p.batch >= batch), key=lambda p: p.query)
+        queries = [p.query for p in usable]
+        # best[i]: the bucket with most context among those with query >= queries[i]
+        best, champion = [None] * len(usable), None
+        for i in range(len(usable) - 1, -1, -1):
+            if champion is None or usable[i].blocks > champion.blocks:
+                champion = usable[i]
+            best[i] = champion
+        missed = []
+        # A chunk of one token is a decode step to vllm-gaudi. Chunks of one batch share the token
+        # budget; the longest that `batch` equal chunks can be is budget // batch.
+        for query in range(2, min(g.max_num_batched_tokens // batch, g.max_model_len) + 1):
+            need = math.ceil((g.max_model_len - query) / g.block_size)  # context before the chunk
+            i = bisect.bisect_left(queries, query)
+            if i == len(usable) or best[i].blocks < need:
+                missed.append((query, need, best[i] if i < len(usable) else None))
+        if missed:
+            query, need, found = missed[0]
+            most = f"the most context any bucket offers it is {found.blocks} blocks (line {found.line})" if found else "no bucket has that many query tokens"
+            problems.append(
+                f"prompt: batch {batch}, a {query}-token chunk after {need} context blocks falls in no "
+                f"bucket ({len(missed)} chunk lengths like it); {most}"
+            )
+    return problems
+
+
+def _covering_decode_problems(decodes: dict[tuple[int, int, int], Bucket], g: Geometry) -> list[str]:
+    problems = []
+    per_seq = math.ceil(g.max_model_len / g.block_size)
+    for batch in range(1, g.max_num_seqs + 1):
+        usable = [(shape, b) for shape, b in decodes.items() if shape[0] >= batch]
+        need = batch * per_seq
+        if not usable or max(shape[2] for shape, _ in usable) < need:
+            most = max(usable, key=lambda u: u[0][2], default=None)
+            where = f"the largest for batch >= {batch} is {most[0]} (line {most[1].line})" if most else "no bucket has that many sequences"
+            problems.append(f"decode: {batch} sequences with up to {need} KV blocks fall in no bucket; {where}")
+    if g.sliding_window:
+        window_blocks = window_block_count(g.sliding_window, g.block_size)
+        for batch in sorted({shape[0] for shape in decodes}):
+            smallest = min((shape for shape in decodes if shape[0] == batch), key=lambda s: s[2])
+            if smallest[2] < batch * window_blocks:
+                problems.append(
+                    f"{decodes[smallest].line}: decode: the smallest bucket for batch {batch}, {smallest[2]} blocks, "
+                    f"is below its sliding-window block list ({batch} x {window_blocks}); window steps would "
+                    "then use a second bucket and capture extra graphs"
+                )
+    return problems
+
+
+def lint_bucket_text(text: str, g: Geometry) -> list[str]:
+    buckets, problems = parse_bucket_text(text)
+    prompts: list[Bucket] = []
+    decodes: dict[tuple[int, int, int], Bucket] = {}
+    seen: dict[tuple[int, int, int], int] = {}
+    for bucket in buckets:
+        if bucket.shape in seen:
+            problems.append(f"{bucket.line}: {bucket.shape} is already listed on line {seen[bucket.shape]}")
+            continue
+        seen[bucket.shape] = bucket.line
+        kept, why = vllm_gaudi_filter(bucket, g)
+        if why:
+            problems.append(f"{bucket.line}: vllm-gaudi {'drops' if kept is None else 'changes'} {bucket.shape}: {why}")
+        if kept is None:
+            continue
+        limit = g.max_num_seqs if bucket.query == 1 else g.max_prefill_batch_size
+        if bucket.batch > limit:
+            problems.append(f"{bucket.line}: {bucket.shape}: batch {bucket.batch} is never formed (limit {limit})")
+        if bucket.query == 1:
+            decodes.setdefault(kept, bucket)
+        else:
+            prompts.append(bucket)
+
+    problems += _covering_prompt_problems(prompts, g)
+    problems += _covering_decode_problems(decodes, g)
+    if len(decodes) > g.max_decode_graphs:
+        problems.append(f"decode: {len(decodes)} buckets, each a captured graph; the limit is {g.max_decode_graphs}")
+    return sorted(problems, key=_line_of)
+
+
+def _line_of(problem: str) -> float:
+    # Problems of a line first, in file order; those of the whole file after them.
+    head = problem.split(":", 1)[0]
+    return int(head) if head.isdigit() else math.inf
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Lint a vllm-gaudi bucket file against the launch flags.")
+    parser.add_argument("file", type=Path, nargs="?", help="default: serving/<buckets.file of the recipe>")
+    parser.add_argument("--recipe", type=Path, default=SERVING_DIR / "recipe.yaml", help="launch flags and limits")
+    args = parser.parse_args(argv)
+    recipe = load_recipe(args.recipe)
+    path = args.file or SERVING_DIR / recipe["buckets"]["file"]
+    problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe))
+    for problem in problems:
+        print(f"{path}:{problem}" if problem[:1].isdigit() else f"{path}: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

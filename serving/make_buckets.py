@@ -1,0 +1,150 @@
+"""Generate the recipe's bucket file (VLLM_BUCKETING_FROM_FILE) from the launch geometry.
+
+Prompt buckets: what vllm-gaudi's default exponential strategy would build for these flags
+(query lengths up to --max-num-batched-tokens, context blocks spaced exponentially, and for the
+largest context the most that still fits next to each query length), plus one top point: a full
+chunk over ceil((max_model_len - 1) / block_size) context blocks. vllm-gaudi's own largest
+context per query rounds down, so a short last chunk of a 256K prompt would miss every bucket
+and compile a fallback graph mid-serving; the top point covers every chunk.
+
+Decode buckets: coarse on purpose. Each captured decode graph holds device memory, and
+vllm-gaudi's own decode buckets for these flags number 93; here batch 1, 2, 4, 8 and 16 get one
+bucket per context tier (4K, 16K, 64K, 128K and 256K tokens per sequence), without the 128K tier
+from batch 8 on: eight 128K sequences already exceed the 776,448-token KV pool, so only batches
+sharing a prefix reach it, and they fall to the 256K tier.
+
+Usage (from the repository root):
+    python -m serving.make_buckets            # rewrite serving/<buckets.file from recipe.yaml>
+    python -m serving.make_buckets --check    # exit 1 if the committed file differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry
+
+# vllm-gaudi treats a prompt context as long from this many tokens of --max-model-len on, and then
+# gives the largest context bucket of each query length its own edge value.
+LONG_CONTEXT_TOKENS = 8192
+DECODE_BATCHES = (1, 2, 4, 8, 16)
+DECODE_TIERS_TOKENS = (4096, 16384, 65536, 131072, 262144)
+# From this batch size on, the 128K tier is left out (see the module docstring).
+DECODE_SKIP_128K_FROM_BATCH = 8
+
+
+def exponential_points(low: int, step: int, high: int, count: int) -> list[int]:
+    """`count` points from `low` to `high` at a constant ratio, each rounded up to a multiple of
+    `step`, duplicates dropped: vllm-gaudi's exponential bucket spacing. A `low` of 0 or 1 is kept
+    as its own point and the ratio starts from `step` instead."""
+    if count <= 1:
+        return [high]
+    start = step if low in (0, 1) else low
+    points = set()
+    for i in range(count):
+        # The exponent is computed as (1/(count-1))*i, not i/(count-1): rounding up a value that
+        # lands a hair above a multiple of `step` would otherwise give a different bucket.
+        value = start * math.pow(high / start, (1.0 / float(count - 1)) * i)
+        points.add(math.ceil(value / step) * step)
+    if low in (0, 1):
+        points.add(low)
+    ordered = sorted(points)
+    ordered[-1] = min(ordered[-1], high)
+    return ordered
+
+
+def prompt_buckets(g: Geometry) -> list[tuple[int, int, int]]:
+    """(batch, query tokens, context blocks) vllm-gaudi's exponential strategy builds, plus the
+    top point."""
+    long_context = g.max_model_len >= LONG_CONTEXT_TOKENS
+    batches = exponential_points(1, 2, g.max_prefill_batch_size, math.ceil(math.log2(g.max_prefill_batch_size)) + 1)
+    queries = exponential_points(
+        g.block_size, g.block_size, g.max_num_batched_tokens, math.ceil(math.log2(g.max_num_batched_tokens))
+    )
+    reserved = g.max_num_batched_tokens if long_context else g.block_size
+    top_ctx = max(1, (g.max_model_len - reserved) // g.block_size)
+    contexts = exponential_points(0, 1, top_ctx, 2 if top_ctx == 1 else math.ceil(math.log2(top_ctx)) + 1)
+    max_ctx_blocks = math.ceil((g.max_model_len - 1) / g.block_size)
+
+    buckets = set()
+    for batch in batches:
+        for ctx in contexts:
+            for query in queries:
+                edge = ctx
+                if long_context and ctx == contexts[-1]:
+                    edge = (g.max_model_len - query) // g.block_size
+                if edge <= max_ctx_blocks and query <= g.max_model_len and batch * query <= g.max_num_batched_tokens:
+                    buckets.add((batch, query, edge))
+    buckets.add((1, min(g.max_num_batched_tokens, g.max_model_len), max_ctx_blocks))
+    return sorted(buckets)
+
+
+def decode_buckets(g: Geometry) -> list[tuple[int, int, int]]:
+    """(batch, 1, total KV blocks of the padded batch)."""
+    buckets = []
+    for batch in DECODE_BATCHES:
+        if batch > g.max_num_seqs:
+            continue
+        for tier in DECODE_TIERS_TOKENS:
+            if tier == 131072 and batch >= DECODE_SKIP_128K_FROM_BATCH:
+                continue
+            blocks_per_seq = math.ceil(min(tier, g.max_model_len) / g.block_size)
+            buckets.append((batch, 1, batch * blocks_per_seq))
+    return sorted(set(buckets))
+
+
+def _grouped(buckets, key_len: int):
+    """One line per (batch, query) with the list of its third elements."""
+    rows: dict[tuple, list[int]] = {}
+    for bucket in buckets:
+        rows.setdefault(bucket[:key_len], []).append(bucket[key_len])
+    return rows
+
+
+def render(g: Geometry, file_name: str) -> str:
+    lines = [
+        f"# {file_name}: vllm-gaudi bucket file (VLLM_BUCKETING_FROM_FILE) for Beam-1.0 on 8x Gaudi 2.",
+        "# Generated by `python -m serving.make_buckets` from serving/recipe.yaml; do not edit by hand.",
+        f"# --block-size {g.block_size} --max-model-len {g.max_model_len} --max-num-seqs {g.max_num_seqs}"
+        f" --max-num-batched-tokens {g.max_num_batched_tokens}",
+        "# Each line is (batch, query tokens, blocks); lists expand to their Cartesian product.",
+        "",
+        "# Prompt: (batch, query tokens, context blocks); vllm-gaudi's exponential buckets",
+    ]
+    prompts = prompt_buckets(g)
+    top = prompts[-1]
+    for (batch, query), contexts in _grouped([b for b in prompts if b != top], 2).items():
+        lines.append(f"({batch}, {query}, {contexts})")
+    lines.append(f"# Top point: a full chunk over {top[2] * g.block_size:,} tokens of context")
+    lines.append(f"{top}")
+    lines += ["", "# Decode: (batch, 1, total KV blocks of the batch)"]
+    for (batch, _), blocks in _grouped(decode_buckets(g), 2).items():
+        tokens = ", ".join(f"{b * g.block_size // batch // 1024}K" for b in blocks)
+        lines.append(f"({batch}, 1, {blocks})  # per sequence: {tokens}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", type=Path, default=SERVING_DIR / "recipe.yaml")
+    parser.add_argument("--out", type=Path, help="default: serving/<buckets.file of the recipe>")
+    parser.add_argument("--check", action="store_true", help="compare with the file instead of writing it")
+    args = parser.parse_args(argv)
+
+    recipe = load_recipe(args.recipe)
+    out = args.out or SERVING_DIR / recipe["buckets"]["file"]
+    text = render(recipe_geometry(recipe), out.name)
+    if args.check:
+        if not out.exists() or out.read_text() != text:
+            print(f"{out} differs from what `python -m serving.make_buckets` generates", file=sys.stderr)
+            return 1
+        return 0
+    out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The response grammar: an xgrammar structural tag for a whole Beam turn, from its first token.
+
+Derived from the response template (openers, closers, control tokens, parameter framing) and the
+request (tools, tool_choice, parallel_tool_calls, answer format, thinking on/off):
+
+    thinking on:   THINK (ANSWER | CALLS)        thinking off:  ANSWER | CALLS (first-message form)
+    THINK   = `<|channel|>analysis<|message|>` non-empty text `<|end|>`
+    ANSWER  = `<|start|>assistant<|channel|>final<|message|>` text | the requested answer format
+    CALLS   = CALL (`<|end|>` CALL)*             (one CALL when parallel calls are off or named)
+    CALL    = `<|start|>assistant to=NAME<|channel|>analysis <|constrain|>xml<|message|>` PARAMS
+    PARAMS  = per property, sorted by name (the order Beam writes), required ones mandatory:
+              `\n`? `<rfl:parameter name="K">\n` VALUE `\n</rfl:parameter>`
+
+The last closer (`<|return|>` after an answer, `<|call|>` after the last call) is an EOS token:
+the grammar ends before it and the matcher accepts a stop token there. Free text never contains a
+control token, so the parsers' reading of the output is never ambiguous.
+"""
+
+from __future__ import annotations
+
+from beam_hpu.parsers.arguments import is_text_value
+from beam_hpu.parsers.template import PARAMETER_SEPARATOR, VALUE_PREFIX, VALUE_SUFFIX, ResponseTemplate
+
+# First character(s) of a non-empty text that cannot start a control token (all begin with "<|").
+_NON_EMPTY_START = "[^<]|<[^|]"
+
+
+def _const(value: str) -> dict:
+    return {"type": "const_string", "value": value}
+
+
+def _seq(*elements) -> dict:
+    elements = [e for e in elements if e is not None]
+    return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
+
+
+def _or(*elements) -> dict:
+    return elements[0] if len(elements) == 1 else {"type": "or", "elements": list(elements)}
+
+
+class ResponseGrammar:
+    """Builds the structural tag for one request from the template."""
+
+    def __init__(self, t: ResponseTemplate):
+        self.t = t
+        self.free_text = {"type": "any_text", "excludes": list(t.control_tokens)}
+
+    def thinking(self) -> dict:
+        return {
+            "type": "tag",
+            "begin": self.t.first_opener(self.t.thinking_openers[0]),
+            "content": _seq({"type": "regex", "pattern": _NON_EMPTY_START}, self.free_text),
+            "end": self.t.thinking_closers[0],
+        }
+
+    def answer(self, first: bool, body: dict | None) -> dict:
+        opener = self.t.content_openers[0]
+        opener = self.t.first_opener(opener) if first else self.t.later_opener(opener)
+        return _seq(_const(opener), body or self.free_text)
+
+    def value(self, schema: dict | None) -> dict:
+        schema = schema if isinstance(schema, dict) else {}
+        if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+            return _or(*(_const(v) for v in schema["enum"]))
+        if isinstance(schema.get("const"), str):
+            return _const(schema["const"])
+        if is_text_value(schema):
+            if schema.get("pattern"):
+                return {"type": "regex", "pattern": schema["pattern"]}
+            return {"type": "any_text", "excludes": [*self.t.control_tokens, self.t.parameter_end]}
+        return {"type": "json_schema", "json_schema": schema}
+
+    def parameters(self, schema: dict | None) -> dict:
+        schema = schema if isinstance(schema, dict) else {}
+        properties = schema.get("properties") or {}
+        required = set(schema.get("required") or [])
+        begin, between = self.t.parameter_begin
+        items = []
+        for key in sorted(properties):
+            tag = {
+                "type": "tag",
+                "begin": begin + key + between + VALUE_PREFIX,
+                "content": self.value(properties[key]),
+                "end": VALUE_SUFFIX + self.t.parameter_end,
+            }
+            item = _seq({"type": "regex", "pattern": f"{PARAMETER_SEPARATOR}?"}, tag)
+            items.append(item if key in required else {"type": "optional", "content": item})
+        return _seq(*items) if items else _const("")
+
+    def call(self, name: str, schema: dict | None, first: bool) -> dict:
+        opener = self.t.call_opener(name)
+        opener = self.t.first_opener(opener) if first else opener
+        return _seq(_const(opener), self.parameters(schema))
+
+    def calls(self, tools: dict[str, dict], first: bool, parallel: bool) -> dict:
+        one = _or(*(self.call(n, s, first) for n, s in tools.items()))
+        if not parallel:
+            return one
+        more = _or(*(self.call(n, s, False) for n, s in tools.items()))
+        separator = self.t.call_closers[-1]  # the closer of a call that another message follows
+        return _seq(one, {"type": "star", "content": _seq(_const(separator), more)})
+
+    def structural_tag(
+        self,
+        *,
+        thinking: bool,
+        tools: dict[str, dict],
+        allow_answer: bool,
+        parallel: bool,
+        answer_body: dict | None = None,
+    ) -> dict:
+        """`tools`: the tools the model may call ({} = no calls); at least one of calls/answer."""
+        if not tools and not allow_answer:
+            raise ValueError("a Beam turn needs an answer or a tool call to be allowed")
+        first = not thinking
+
+        def rest() -> dict:
+            options = []
+            if allow_answer:
+                options.append(self.answer(first, answer_body))
+            if tools:
+                options.append(self.calls(tools, first, parallel))
+            return _or(*options)
+
+        fmt = _seq(self.thinking(), rest()) if thinking else rest()
+        return {"type": "structural_tag", "format": fmt}

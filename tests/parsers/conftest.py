@@ -11,41 +11,34 @@ import pytest  # noqa: E402
 
 from beam_hpu.tiny import write_tokenizer  # noqa: E402
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather for a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "days": {"type": "integer"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city"],
-        },
+def _tool(name: str, properties: dict, required: list[str], **extra) -> dict:
+    parameters = {"type": "object", "properties": properties, "required": required}
+    return {"type": "function", "function": {"name": name, **extra, "parameters": parameters}}
+
+
+WEATHER = _tool(
+    "get_weather",
+    {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
     },
-}
-TYPED = {
-    "type": "function",
-    "function": {
-        "name": "typed",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "a_int": {"type": "integer"},
-                "b_num": {"type": "number"},
-                "c_bool": {"type": "boolean"},
-                "d_null": {"type": "null"},
-                "e_obj": {"type": "object"},
-                "f_arr": {"type": "array", "items": {"type": "integer"}},
-                "g_str": {"type": "string"},
-            },
-            "required": ["a_int"],
-        },
+    ["city"],
+    description="Weather for a city",
+)
+TYPED = _tool(
+    "typed",
+    {
+        "a_int": {"type": "integer"},
+        "b_num": {"type": "number"},
+        "c_bool": {"type": "boolean"},
+        "d_null": {"type": "null"},
+        "e_obj": {"type": "object"},
+        "f_arr": {"type": "array", "items": {"type": "integer"}},
+        "g_str": {"type": "string"},
     },
-}
+    ["a_int"],
+)
 TOOLS = [WEATHER, TYPED]
 
 

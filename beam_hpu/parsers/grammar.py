@@ -13,13 +13,23 @@ request (tools, tool_choice, parallel_tool_calls, answer format, thinking on/off
 
 The last closer (`<|return|>` after an answer, `<|call|>` after the last call) is an EOS token:
 the grammar ends before it and the matcher accepts a stop token there. Free text never contains a
-control token, so the parsers' reading of the output is never ambiguous.
+control token, so the parsers' reading of the output is never ambiguous. Control tokens are
+matched as the special tokens themselves (`token` formats), never spelled out in ordinary tokens:
+a random-weight model served through vLLM did spell `<|message|>` as `<|`, `messa`, ... when the
+grammar only matched the text, and the token-level questions (reasoning end, reasoning token
+counts) read special-token ids.
 """
 
 from __future__ import annotations
 
 from beam_hpu.parsers.arguments import is_text_value
-from beam_hpu.parsers.template import PARAMETER_SEPARATOR, VALUE_PREFIX, VALUE_SUFFIX, ResponseTemplate
+from beam_hpu.parsers.template import (
+    CONTROL_TOKEN_RE,
+    PARAMETER_SEPARATOR,
+    VALUE_PREFIX,
+    VALUE_SUFFIX,
+    ResponseTemplate,
+)
 
 # First character(s) of a non-empty text that cannot start a control token (all begin with "<|").
 _NON_EMPTY_START = "[^<]|<[^|]"
@@ -34,6 +44,23 @@ def _seq(*elements) -> dict:
     return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
 
 
+def _token(text: str) -> dict:
+    return {"type": "token", "token": text}
+
+
+def _literal(text: str) -> dict:
+    """A literal with its control tokens as special tokens and the rest as text."""
+    pieces, at = [], 0
+    for m in CONTROL_TOKEN_RE.finditer(text):
+        if m.start() > at:
+            pieces.append(_const(text[at : m.start()]))
+        pieces.append(_token(m.group(0)))
+        at = m.end()
+    if at < len(text):
+        pieces.append(_const(text[at:]))
+    return _seq(*pieces) if pieces else _const("")
+
+
 def _or(*elements) -> dict:
     return elements[0] if len(elements) == 1 else {"type": "or", "elements": list(elements)}
 
@@ -46,17 +73,21 @@ class ResponseGrammar:
         self.free_text = {"type": "any_text", "excludes": list(t.control_tokens)}
 
     def thinking(self) -> dict:
-        return {
+        opener = self.t.first_opener(self.t.thinking_openers[0])
+        last = list(CONTROL_TOKEN_RE.finditer(opener))[-1]
+        assert last.end() == len(opener), "the thinking opener ends with a control token"
+        body = {
             "type": "tag",
-            "begin": self.t.first_opener(self.t.thinking_openers[0]),
+            "begin": _token(last.group(0)),
             "content": _seq({"type": "regex", "pattern": _NON_EMPTY_START}, self.free_text),
-            "end": self.t.thinking_closers[0],
+            "end": _token(self.t.thinking_closers[0]),
         }
+        return _seq(_literal(opener[: last.start()]), body) if last.start() else body
 
     def answer(self, first: bool, body: dict | None) -> dict:
         opener = self.t.content_openers[0]
         opener = self.t.first_opener(opener) if first else self.t.later_opener(opener)
-        return _seq(_const(opener), body or self.free_text)
+        return _seq(_literal(opener), body or self.free_text)
 
     def value(self, schema: dict | None) -> dict:
         schema = schema if isinstance(schema, dict) else {}
@@ -90,7 +121,7 @@ class ResponseGrammar:
     def call(self, name: str, schema: dict | None, first: bool) -> dict:
         opener = self.t.call_opener(name)
         opener = self.t.first_opener(opener) if first else opener
-        return _seq(_const(opener), self.parameters(schema))
+        return _seq(_literal(opener), self.parameters(schema))
 
     def calls(self, tools: dict[str, dict], first: bool, parallel: bool) -> dict:
         one = _or(*(self.call(n, s, first) for n, s in tools.items()))
@@ -98,7 +129,7 @@ class ResponseGrammar:
             return one
         more = _or(*(self.call(n, s, False) for n, s in tools.items()))
         separator = self.t.call_closers[-1]  # the closer of a call that another message follows
-        return _seq(one, {"type": "star", "content": _seq(_const(separator), more)})
+        return _seq(one, {"type": "star", "content": _seq(_literal(separator), more)})
 
     def structural_tag(
         self,

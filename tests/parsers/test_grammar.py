@@ -152,3 +152,17 @@ def test_the_chat_templates_calls_are_what_the_grammar_accepts(parser_cls, token
     assert accepts(compiler, tokenizer, tag, turn[: -len("<|call|>")], "<|call|>")
     assert json.loads(tag)["type"] == "structural_tag"
     assert WEATHER["function"]["name"] in tag
+
+
+def test_control_tokens_must_be_the_special_tokens(parser_cls, tokenizer, compiler):
+    """Seen with a random-weight model through vLLM: `<|message|>` spelled as `<|`, `messa`, ...
+    The grammar takes only the special token."""
+    import xgrammar as xgr
+
+    tag = grammar_for(parser_cls, tokenizer, tools=TOOLS)
+    matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(tag))
+    spelled = tokenizer.encode("<|channel|>analysis", add_special_tokens=False) + tokenizer.encode(
+        "<|message", add_special_tokens=False
+    )
+    assert tokenizer.convert_tokens_to_ids("<|message|>") not in spelled
+    assert not all(matcher.accept_token(i) for i in spelled)

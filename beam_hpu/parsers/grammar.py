@@ -44,33 +44,37 @@ def _seq(*elements) -> dict:
     return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": elements}
 
 
-def _token(text: str) -> dict:
-    return {"type": "token", "token": text}
-
-
-def _literal(text: str) -> dict:
-    """A literal with its control tokens as special tokens and the rest as text."""
-    pieces, at = [], 0
-    for m in CONTROL_TOKEN_RE.finditer(text):
-        if m.start() > at:
-            pieces.append(_const(text[at : m.start()]))
-        pieces.append(_token(m.group(0)))
-        at = m.end()
-    if at < len(text):
-        pieces.append(_const(text[at:]))
-    return _seq(*pieces) if pieces else _const("")
-
-
 def _or(*elements) -> dict:
     return elements[0] if len(elements) == 1 else {"type": "or", "elements": list(elements)}
 
 
 class ResponseGrammar:
-    """Builds the structural tag for one request from the template."""
+    """Builds the structural tag for one request from the template. `vocab`: the tokenizer's
+    token -> id map; control tokens are given by id because vLLM validates a structural tag
+    without a tokenizer, where token strings cannot be resolved."""
 
-    def __init__(self, t: ResponseTemplate):
+    def __init__(self, t: ResponseTemplate, vocab: dict[str, int]):
         self.t = t
+        missing = [c for c in t.control_tokens if c not in vocab]
+        if missing:
+            raise ValueError(f"the tokenizer lacks the response template's control tokens {missing}")
+        self.ids = {c: vocab[c] for c in t.control_tokens}
         self.free_text = {"type": "any_text", "excludes": list(t.control_tokens)}
+
+    def _token(self, text: str) -> dict:
+        return {"type": "token", "token": self.ids[text]}
+
+    def _literal(self, text: str) -> dict:
+        """A literal with its control tokens as the special tokens and the rest as text."""
+        pieces, at = [], 0
+        for m in CONTROL_TOKEN_RE.finditer(text):
+            if m.start() > at:
+                pieces.append(_const(text[at : m.start()]))
+            pieces.append(self._token(m.group(0)))
+            at = m.end()
+        if at < len(text):
+            pieces.append(_const(text[at:]))
+        return _seq(*pieces) if pieces else _const("")
 
     def thinking(self) -> dict:
         opener = self.t.first_opener(self.t.thinking_openers[0])
@@ -78,16 +82,16 @@ class ResponseGrammar:
         assert last.end() == len(opener), "the thinking opener ends with a control token"
         body = {
             "type": "tag",
-            "begin": _token(last.group(0)),
+            "begin": self._token(last.group(0)),
             "content": _seq({"type": "regex", "pattern": _NON_EMPTY_START}, self.free_text),
-            "end": _token(self.t.thinking_closers[0]),
+            "end": self._token(self.t.thinking_closers[0]),
         }
-        return _seq(_literal(opener[: last.start()]), body) if last.start() else body
+        return _seq(self._literal(opener[: last.start()]), body) if last.start() else body
 
     def answer(self, first: bool, body: dict | None) -> dict:
         opener = self.t.content_openers[0]
         opener = self.t.first_opener(opener) if first else self.t.later_opener(opener)
-        return _seq(_literal(opener), body or self.free_text)
+        return _seq(self._literal(opener), body or self.free_text)
 
     def value(self, schema: dict | None) -> dict:
         schema = schema if isinstance(schema, dict) else {}
@@ -121,7 +125,7 @@ class ResponseGrammar:
     def call(self, name: str, schema: dict | None, first: bool) -> dict:
         opener = self.t.call_opener(name)
         opener = self.t.first_opener(opener) if first else opener
-        return _seq(_literal(opener), self.parameters(schema))
+        return _seq(self._literal(opener), self.parameters(schema))
 
     def calls(self, tools: dict[str, dict], first: bool, parallel: bool) -> dict:
         one = _or(*(self.call(n, s, first) for n, s in tools.items()))
@@ -129,7 +133,7 @@ class ResponseGrammar:
             return one
         more = _or(*(self.call(n, s, False) for n, s in tools.items()))
         separator = self.t.call_closers[-1]  # the closer of a call that another message follows
-        return _seq(one, {"type": "star", "content": _seq(_literal(separator), more)})
+        return _seq(one, {"type": "star", "content": _seq(self._literal(separator), more)})
 
     def structural_tag(
         self,

@@ -69,7 +69,7 @@ class BeamReasoningParser(ReasoningParser):
         return self.template.thinking_closers[0]
 
     def adjust_request(self, request):
-        return constrain_request(request, self.template, thinking=self.thinking)
+        return constrain_request(request, self.template, self.vocab, thinking=self.thinking)
 
     def extract_reasoning(self, model_output: str, request) -> tuple[str | None, str | None]:
         stream = MessageStream(self.template, pause_at_call=True)

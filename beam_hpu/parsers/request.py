@@ -76,7 +76,7 @@ def _answer_body(request) -> tuple[dict | None, bool]:
     return None, so.structural_tag is not None
 
 
-def constrain_request(request, template: ResponseTemplate, *, thinking: bool):
+def constrain_request(request, template: ResponseTemplate, vocab: dict[str, int], *, thinking: bool):
     """Adjust `request` in place (and return it). Idempotent: the reasoning and the tool parser
     both call it; the first call wins. Raises VLLMValidationError (HTTP 400) for a forced tool
     choice that the grammar cannot guarantee."""
@@ -114,7 +114,7 @@ def constrain_request(request, template: ResponseTemplate, *, thinking: bool):
         return request
 
     callable_tools = {named: tools[named]} if named else (tools if calls_allowed else {})
-    tag = ResponseGrammar(template).structural_tag(
+    tag = ResponseGrammar(template, vocab).structural_tag(
         thinking=thinking,
         tools=callable_tools,
         allow_answer=not forced,

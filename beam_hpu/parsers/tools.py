@@ -124,7 +124,7 @@ class BeamToolParser(ToolParser):
         # thinking is read from the request alone.
         thinking = thinking_enabled({**(getattr(request, "chat_template_kwargs", None) or {}),
                                      "reasoning_effort": getattr(request, "reasoning_effort", None)})
-        return constrain_request(request, self.template, thinking=thinking)
+        return constrain_request(request, self.template, self.vocab, thinking=thinking)
 
     def extract_tool_calls(self, model_output: str, request) -> ExtractedToolCallInformation:
         stream = MessageStream(self.template, prelude_is_content=True)

@@ -22,9 +22,19 @@ def test_every_turn_is_constrained_by_default(parser_cls, tokenizer):
     assert request.skip_special_tokens is False and request.spaces_between_special_tokens is False
     assert request._grammar_from_parser is True
     tag = json.loads(request.structured_outputs.structural_tag)
-    assert tag["type"] == "structural_tag" and '{"type": "token", "token": "<|channel|>"}' in json.dumps(tag)
+    assert tag["type"] == "structural_tag" and '{"type": "token", "token": %d}' % tokenizer.convert_tokens_to_ids("<|channel|>") in json.dumps(tag)
     params = request.to_sampling_params(64, {})
     assert params.structured_outputs.structural_tag and params.skip_special_tokens is False
+
+
+@pytest.mark.parametrize("kw", [{}, {"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "required"},
+                                {"response_format": {"type": "json_object"}}])
+def test_vllm_accepts_the_grammar_as_xgrammar(parser_cls, tokenizer, kw):
+    """vLLM validates a structural tag without a tokenizer (control tokens must be given by id);
+    a tag it refuses would fall back to guidance, which cannot read it (seen: HTTP 400)."""
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+    validate_xgrammar_grammar(adjust(parser_cls, tokenizer, **kw).to_sampling_params(64, {}))
 
 
 def test_response_format_moves_into_the_answer(parser_cls, tokenizer):

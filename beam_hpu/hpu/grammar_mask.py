@@ -67,3 +67,12 @@ def apply_token_bitmask(
         selected = torch.zeros(rows, dtype=torch.bool, device=device).index_fill_(0, index, True)  # [R]
         allowed |= ~selected.unsqueeze(1)
     logits[:, :vocab].masked_fill_(~allowed, float("-inf"))
+
+
+def device_mask_enabled(env=None) -> bool:
+    """BEAM_GRAMMAR_DEVICE_MASK (beam_hpu.envs): whether the runner patch masks on the device."""
+    import os
+
+    from beam_hpu.envs import read_switch
+
+    return bool(read_switch("BEAM_GRAMMAR_DEVICE_MASK", os.environ if env is None else env))

@@ -143,21 +143,24 @@ def prefill_window_mask(
     _check_geometry(window, block_size)
     ctx = torch.as_tensor(ctx_lens, dtype=torch.int64).reshape(-1)  # [B]
     qlen = torch.as_tensor(query_lens, dtype=torch.int64).reshape(-1)  # [B]
+    device = ctx.device
+    qlen = qlen.to(device)
     if ctx_block_starts is None:
         ctx_block_starts = torch.zeros_like(ctx)
-    starts = torch.as_tensor(ctx_block_starts, dtype=torch.int64).reshape(-1)  # [B]
+    starts = torch.as_tensor(ctx_block_starts, dtype=torch.int64).reshape(-1).to(device)  # [B]
     if num_ctx_blocks is None:
         num_ctx_blocks = int(((ctx + block_size - 1) // block_size - starts).clamp(min=0).max())
     if padded_query_len is None:
         padded_query_len = int(qlen.max())
-    if (ctx < 0).any() or (qlen < 0).any() or (qlen > padded_query_len).any():
+    # Checked on host tensors only: on a device the check would read device values on the host.
+    if device.type == "cpu" and ((ctx < 0).any() or (qlen < 0).any() or (qlen > padded_query_len).any()):
         raise ValueError("context lengths must be >= 0 and query lengths within [0, padded_query_len]")
     ctx_slots, rows = num_ctx_blocks * block_size, padded_query_len
 
-    slot = torch.arange(ctx_slots)
+    slot = torch.arange(ctx_slots, device=device)
     ctx_key_pos = starts[:, None] * block_size + slot  # [B, C*bs]
     ctx_key_real = ctx_key_pos < ctx[:, None]  # [B, C*bs]
-    chunk = torch.arange(rows)
+    chunk = torch.arange(rows, device=device)
     chunk_key_pos = ctx[:, None] + chunk  # [B, S]
     chunk_key_real = chunk < qlen[:, None]  # [B, S]
     key_pos = torch.cat([ctx_key_pos, chunk_key_pos], dim=1).unsqueeze(1)  # [B, 1, K]
@@ -167,10 +170,89 @@ def prefill_window_mask(
     query_real = chunk_key_real.unsqueeze(2)  # [B, S, 1]
     in_window = (key_pos > query_pos - window) & (key_pos <= query_pos)  # [B, S, K]
     mask = query_real & key_real & in_window
-    own_key = torch.arange(ctx_slots + rows) == (ctx_slots + chunk)[:, None]  # [S, K]
+    own_key = torch.arange(ctx_slots + rows, device=device) == (ctx_slots + chunk)[:, None]  # [S, K]
     return mask | (~query_real & own_key)
 
 
 def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Additive attention bias: 0 where `mask` attends, -inf where it does not."""
-    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+# ---------------------------------------------------------------- what the runner patches call
+# The port's runner patches (ports/beam-1-0/patches/beam-exact-window.toml) hand over the
+# runner's own host-side structures and get them back in the runner's layout; the arithmetic is
+# the functions above.
+
+
+def decode_window_tables(
+    block_tables: list[list[int]], slot_mapping: list[list[int]], window: int, block_size: int
+) -> tuple[list[list[int]], list[int]]:
+    """Each decode sequence's window blocks (physical ids) and the first in-window slot of its
+    first window block, in the representation of the swa-decode-window fix.
+
+    `block_tables[b]` holds sequence b's blocks up to and including the one its decode token is
+    written to, `slot_mapping[b][0]` that token's slot, so the query sits at position
+    (len - 1) * block_size + slot % block_size. The runner flattens the tables and stores
+    -start as the first window block's usage (a lower bound); an empty table (padding) stays
+    empty.
+    """
+    _check_geometry(window, block_size)
+    tables, starts = [], []
+    for table, slots in zip(block_tables, slot_mapping):
+        if not table:
+            tables.append(table)
+            starts.append(0)
+            continue
+        pos = (len(table) - 1) * block_size + slots[0] % block_size
+        columns = decode_window_blocks(pos, window, block_size)
+        tables.append(list(table[columns.start:columns.stop]))
+        starts.append(first_window_key(pos, window) % block_size)
+    return tables, starts
+
+
+def prefill_window_context(
+    context_blocks: list[list[int]], ctx_lens: list[int], window: int, block_size: int
+) -> tuple[list[list[int]], int]:
+    """(each prefill sequence's context blocks its chunk can see, the padded width).
+
+    `context_blocks[b]` is sequence b's context block list (ceil(ctx_lens[b] / block_size)
+    physical ids); the result keeps `prefill_window_context_blocks` of it, which starts at
+    `prefill_window_block_starts`, the frame `prefill_window_bias` assumes. The width,
+    `window_block_count`, bounds every sequence's list whatever its context length.
+    """
+    _check_geometry(window, block_size)
+    trimmed = []
+    for blocks, ctx in zip(context_blocks, ctx_lens):
+        columns = prefill_window_context_blocks(int(ctx), window, block_size)
+        trimmed.append(list(blocks[columns.start:columns.stop]))
+    return trimmed, window_block_count(window, block_size)
+
+
+def prefill_window_bias(
+    ctx_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    window: int,
+    block_size: int,
+    *,
+    num_ctx_blocks: int,
+    padded_batch: int,
+    padded_query_len: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[padded_batch, 1, S, num_ctx_blocks * block_size + S] additive bias for prefill chunks
+    whose context was trimmed by `prefill_window_context` (block list padded to
+    `num_ctx_blocks` per sequence). Built where `ctx_lens` lives (the device on HPU); rows past
+    the real sequences are padding (they attend their own key only)."""
+    ctx = torch.as_tensor(ctx_lens, dtype=torch.int64).reshape(-1)
+    qlen = torch.as_tensor(query_lens, dtype=torch.int64).reshape(-1).to(ctx.device)
+    if ctx.numel() < padded_batch:  # padding sequences: no context, no queries
+        pad = padded_batch - ctx.numel()
+        ctx, qlen = torch.cat([ctx, ctx.new_zeros(pad)]), torch.cat([qlen, qlen.new_zeros(pad)])
+    ctx, qlen = ctx[:padded_batch], qlen[:padded_batch].clamp(max=padded_query_len)
+    mask = prefill_window_mask(
+        ctx, qlen, window, block_size,
+        ctx_block_starts=prefill_window_block_starts(ctx, window, block_size),
+        num_ctx_blocks=num_ctx_blocks, padded_query_len=padded_query_len,
+    )
+    return mask_to_bias(mask, dtype).unsqueeze(1)

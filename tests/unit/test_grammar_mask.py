@@ -108,3 +108,13 @@ def test_no_host_round_trip_of_the_logits():
 def test_bad_shapes_are_refused(logits_shape, bitmask, kwargs, message):
     with pytest.raises(ValueError, match=message):
         apply_token_bitmask(torch.zeros(logits_shape), bitmask, **kwargs)
+
+
+def test_device_mask_switch_reads_the_port_switch():
+    from beam_hpu.envs import SwitchError
+    from beam_hpu.hpu.grammar_mask import device_mask_enabled
+
+    assert device_mask_enabled({}) is True  # the recipe's value is the default
+    assert device_mask_enabled({"BEAM_GRAMMAR_DEVICE_MASK": "0"}) is False
+    with pytest.raises(SwitchError, match="BEAM_GRAMMAR_DEVICE_MASK"):
+        device_mask_enabled({"BEAM_GRAMMAR_DEVICE_MASK": "yes"})

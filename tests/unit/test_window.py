@@ -255,3 +255,43 @@ def test_mask_to_bias():
 
 def test_geometry_list_covers_both_kinds_of_window():
     assert any(w % bs == 0 for bs, w in GEOMETRIES) and any(w % bs > 1 for bs, w in GEOMETRIES)
+
+
+# ---------------------------------------------------------------- the runner-facing layouts
+
+@pytest.mark.parametrize("bs, w", GEOMETRIES)
+def test_decode_window_tables_are_the_exact_window(bs, w):
+    """decode_window_tables (what the decode runner patch calls) in the swa-decode-window layout:
+    blocks from the table, a first-slot lower bound; every key it leaves attended is in the
+    window and every window key is attended."""
+    positions = edge_positions(bs, w)[:200]
+    tables = [[10_000 + b for b in range(p // bs + 1)] for p in positions]
+    slots = [[t[-1] * bs + p % bs] for t, p in zip(tables, positions)]
+    got_tables, starts = win.decode_window_tables(tables + [[]], slots + [[0]], w, bs)
+    assert got_tables[-1] == [] and starts[-1] == 0  # padding stays empty
+    for p, table, start in zip(positions, got_tables, starts):
+        first_col = table[0] - 10_000
+        assert table == list(range(table[0], table[0] + len(table))) and table[-1] - 10_000 == p // bs
+        attended = {(first_col + i) * bs + s for i in range(len(table)) for s in range(bs)
+                    if (i > 0 or s >= start) and (first_col + i) * bs + s <= p}
+        assert attended == set(range(max(0, p - w + 1), p + 1)), p
+        assert len(table) <= win.window_block_count(w, bs)
+
+
+@pytest.mark.parametrize("bs, w", [(16, 64), (16, 21), (128, 512)])
+def test_prefill_window_context_and_bias_agree(bs, w):
+    ctx_lens = [0, 1, w - 1, w, w + 1, 5 * bs + 3]
+    blocks = [[500 + b for b in range(-(-c // bs))] for c in ctx_lens]
+    trimmed, width = win.prefill_window_context(blocks, ctx_lens, w, bs)
+    assert width == win.window_block_count(w, bs)
+    starts = win.prefill_window_block_starts(ctx_lens, w, bs).tolist()
+    for ctx, full, kept, start in zip(ctx_lens, blocks, trimmed, starts):
+        assert kept == full[start:start + len(kept)] and len(kept) <= width
+        assert kept == [] or kept[-1] == full[-1]
+    qlens = [3, 2, 1, 4, 5, 2]
+    bias = win.prefill_window_bias(torch.tensor(ctx_lens), torch.tensor(qlens), w, bs, num_ctx_blocks=width,
+                                   padded_batch=len(ctx_lens) + 1, padded_query_len=6, dtype=torch.float32)
+    assert bias.shape == (len(ctx_lens) + 1, 1, 6, width * bs + 6)
+    mask = win.prefill_window_mask(ctx_lens + [0], qlens + [0], w, bs, ctx_block_starts=starts + [0],
+                                   num_ctx_blocks=width, padded_query_len=6)
+    assert torch.equal(bias[:, 0] == 0, mask)

@@ -1,0 +1,53 @@
+"""tests/build_gates.py as CI runs it on the CPU tree (the gates that need a vllm-gaudi tree skip
+with the reason; install.sh's test runs all eight against one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def gates(*args: str, env_extra=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(REPO))  # this checkout's beam_hpu
+    for name in [n for n in env if n.startswith(("BEAM_", "VLLM_BEAM_"))]:
+        env.pop(name)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, str(REPO / "tests/build_gates.py"), *args], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+
+
+def lines(proc) -> list[str]:
+    return [line for line in proc.stdout.splitlines() if line.startswith("gate ")]
+
+
+def test_build_gates_on_the_cpu_tree():
+    proc = gates()
+    got = lines(proc)
+    assert [g.split(":")[0] for g in got] == [
+        "gate 1 fix profile applied", "gate 2 port patches applied", "gate 3 plugin registered",
+        "gate 4 vLLM registrations", "gate 5 BeamConfig", "gate 6 template and parsers", "gate 7 switches",
+        "gate 8 bucket file"], proc.stdout + proc.stderr[-3000:]
+    for line in got[:2]:  # no vllm-gaudi on the CPU tree: skipped, saying why
+        assert ": SKIP: no vllm-gaudi tree here" in line
+    failed = [g for g in got if ": FAIL: " in g]
+    if (REPO / "beam_hpu/loader/__init__.py").is_file():
+        assert proc.returncode == 0 and not failed, proc.stdout
+        return
+    assert proc.returncode == 1
+    assert len(failed) == 1 and failed[0].startswith("gate 4") and "--load-format beam" in failed[0], failed
+    pytest.xfail("gate 4: --load-format beam is not registered until beam_hpu.loader is merged")
+
+
+def test_build_gates_fail_and_say_why(tmp_path):
+    proc = gates("--cookbook", str(tmp_path), env_extra={"BEAM_GRAMMAR_DEVICE_MASK": "maybe"})
+    got = {g.split(":")[0]: g for g in lines(proc)}
+    assert proc.returncode == 1
+    assert "FAIL" in got["gate 7 switches"] and "BEAM_GRAMMAR_DEVICE_MASK='maybe'" in got["gate 7 switches"]
+    assert "FAIL" in got["gate 8 bucket file"] and "does not exist" in got["gate 8 bucket file"]
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("build gates: ")

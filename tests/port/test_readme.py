@@ -1,0 +1,69 @@
+"""ports/beam-1-0/README.md explains every switch (generated from beam_hpu.envs, so it cannot
+drift), every fix and patch, and every flag and variable of the recipe's launch block."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from beam_hpu import envs
+from serving.recipe import parse_launch_block
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "ports/beam-1-0/README.md"
+RECIPE_TEXT = Path("/work/shared/seeds/gaudi-recipe-beam-fp8.txt")
+
+
+def gen_readme():
+    spec = importlib.util.spec_from_file_location("gen_readme", REPO / "ports/beam-1-0/gen_readme.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_sections_are_current():
+    text = README.read_text()
+    assert gen_readme().render(text) == text, "run python3 ports/beam-1-0/gen_readme.py"
+
+
+def test_a_changed_switch_description_makes_the_readme_stale(monkeypatch):
+    name = "BEAM_FSDPA_Q_TILE"
+    switch = envs.SWITCHES[name]
+    changed = envs.Switch(switch.name, switch.default, switch.parse, switch.description + " Changed.")
+    monkeypatch.setitem(envs.SWITCHES, name, changed)
+    text = README.read_text()
+    assert gen_readme().render(text) != text
+
+
+def test_every_switch_and_fix_is_described():
+    text = README.read_text()
+    for switch in envs.SWITCHES.values():
+        assert f"**`{switch.name}`** (default `{switch.default}`): {switch.description}" in text
+    from fixes.profile import load_profile
+
+    for unit in load_profile("port-beam-1-0").fixes:
+        assert f"| `{unit.name}` (" in text
+
+
+def launch_blocks() -> list[str]:
+    blocks = [(REPO / "serving/launch.sh").read_text()]
+    if RECIPE_TEXT.is_file():
+        blocks.append(RECIPE_TEXT.read_text())
+    return blocks
+
+
+@pytest.mark.parametrize("which", range(len(launch_blocks())), ids=["launch.sh", "published recipe"][: len(launch_blocks())])
+def test_every_flag_and_variable_of_the_launch_block_is_explained(which):
+    block = parse_launch_block(launch_blocks()[which])
+    text = README.read_text()
+    assert block.flags and block.env
+    rows = set(re.findall(r"^\| `(--[a-z0-9-]+)[ `]", text, re.M))
+    assert set(block.flags) <= rows, sorted(set(block.flags) - rows)
+    env_rows = set(re.findall(r"^\| `([A-Z0-9_]+)`", text, re.M))
+    for name in block.env:
+        explained = name in env_rows or f"**`{name}`**" in text
+        assert explained, name
+    assert block.fix_profile == "v0.30.0" and "apply_all.py\" --profile v0.30.0" in text

@@ -286,6 +286,14 @@ def startup_problems(env: Mapping[str, str], args: Any, *, device_type: str | No
             f"{named}: the beam reasoning and tool parsers share one response-template reader "
             "and grammar and cannot be mixed with another parser; use beam for both"
         )
+    elif chosen.get("--tool-call-parser") == BEAM_PARSER and "--reasoning-parser" not in chosen:
+        # Without the reasoning parser vLLM 0.30.0 skips the beam request adjustment for
+        # tool_choice "none": control tokens are then stripped from the text and calls cannot parse.
+        problems.append(
+            "--tool-call-parser beam without --reasoning-parser beam: the beam parsers work as a "
+            "pair (the reasoning parser installs the response grammar and keeps the control "
+            "tokens the tool parser reads); add --reasoning-parser beam"
+        )
 
     if _arg(args, "chat_template_content_format") == "openai":
         problems.append(

@@ -35,12 +35,23 @@ def check_complete(model: torch.nn.Module, writes: list[Write], ckpt_dir) -> Non
         if gaps:
             problems.append(f"{name} {list(p.shape)}: {gaps} of {p.numel()} elements not in any checkpoint tensor")
         if overlap:
-            tensors = sorted({w.tensor for w in ws})
-            problems.append(f"{name}: {overlap} elements written more than once, by {tensors[:MAX_LISTED]}")
+            problems.append(f"{name}: {overlap} elements written more than once, by {overlapping_tensors(ws)}")
     if problems:
         more = f" (and {len(problems) - MAX_LISTED} more)" if len(problems) > MAX_LISTED else ""
         raise CheckpointError(f"{ckpt_dir}: the checkpoint does not load this model exactly once:\n  "
                               + "\n  ".join(problems[:MAX_LISTED]) + more)
+
+
+def overlapping_tensors(writes: list[Write]) -> list[str]:
+    """Names of the tensors whose writes land on elements another tensor also wrote."""
+    runs = sorted((s, s + n, w.tensor) for w in writes for s, n in w.runs)
+    culprits, reach, reach_tensor = set(), -1, None
+    for start, end, tensor in runs:
+        if start < reach and tensor != reach_tensor:
+            culprits |= {tensor, reach_tensor}
+        if end > reach:
+            reach, reach_tensor = end, tensor
+    return sorted(culprits)[:MAX_LISTED]
 
 
 def known_writes(plans: list[TensorPlan]) -> list[Write]:

@@ -22,7 +22,8 @@ logger = logging.getLogger("vllm.beam_hpu.loader")
 @dataclass
 class LoadReport:
     label: str
-    data_bytes: int  # tensor bytes read
+    data_bytes: int  # tensor bytes read (that this rank needs)
+    gap_bytes: int  # bytes read between needed ranges and dropped (see reader._calls)
     header_bytes: int  # shard header bytes read
     read_calls: int
     tensors_read: int
@@ -70,15 +71,16 @@ def load_checkpoint(model: torch.nn.Module, directory, options: LoaderOptions | 
                 len(plans), total / 2**30, ckpt.total_bytes / 2**30, len(ckpt.files))
     progress = Progress(label, total, options.progress_percent)
     replay_writes = []
-    with RangeReader(ckpt.files, options.num_threads, options.chunk_bytes, progress.add) as reader:
+    with RangeReader(ckpt.files, options.num_threads, options.chunk_bytes, options.max_gap_bytes,
+                     progress.add) as reader:
         units = param_units(plans, params) + replay_units(model, plans, params, replay_writes)
         run_units(units, reader, options.max_staging_bytes)
-        data_bytes, calls = reader.bytes_read, reader.calls
+        data_bytes, gap_bytes, calls = reader.bytes_read, reader.gap_bytes, reader.calls
     if not all_known:
         check_complete(model, known_writes(plans) + replay_writes, ckpt.directory)
-    report = LoadReport(label, data_bytes, sum(ckpt.header_bytes.values()), calls, len(needed), len(plans),
+    report = LoadReport(label, data_bytes, gap_bytes, sum(ckpt.header_bytes.values()), calls, len(needed), len(plans),
                         ckpt.total_bytes, time.perf_counter() - t0)
-    logger.info("beam loader %s: loaded %d tensors, %.2f GiB in %.1f s (%.2f GB/s), %d read calls", label,
-                report.tensors_read, data_bytes / 2**30, report.seconds, data_bytes / max(report.seconds, 1e-9) / 1e9,
-                calls)
+    logger.info("beam loader %s: loaded %d tensors, %.2f GiB (+%.2f GiB read across gaps) in %.1f s (%.2f GB/s), "
+                "%d read calls", label, report.tensors_read, data_bytes / 2**30, gap_bytes / 2**30, report.seconds,
+                (data_bytes + gap_bytes) / max(report.seconds, 1e-9) / 1e9, calls)
     return report

@@ -112,9 +112,10 @@ def test_unknown_tensor_names_the_file(tmp_path):
 def test_extra_config_rejects_unknown_and_bad_values():
     assert LoaderOptions.from_extra_config({"num_threads": 4}).num_threads == 4
     with pytest.raises(ValueError, match=r"unknown --model-loader-extra-config key\(s\) \['num_thread'\]; known keys: "
-                                         r"\['chunk_mib', 'max_staging_mib', 'num_threads', 'progress_percent'\]"):
+                                         r"\['chunk_mib', 'max_gap_kib', 'max_staging_mib', 'num_threads', "
+                                         r"'progress_percent'\]"):
         LoaderOptions.from_extra_config({"num_thread": 4})
-    with pytest.raises(ValueError, match=r"'chunk_mib' must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"'chunk_mib' must be an integer >= 1, got 0"):
         LoaderOptions.from_extra_config({"chunk_mib": 0})
 
 

@@ -53,12 +53,24 @@ def counted_reads(monkeypatch):
 
 @pytest.mark.parametrize("tp,rank,ep", RANKS)
 def test_same_state_as_model_loader_and_only_own_bytes(toy_dir, counted_reads, tp, rank, ep):
+    """With gap reads off, the kernel is asked for exactly this rank's bytes."""
+    model = ToyRank(tp, rank, ep)
+    report = load_checkpoint(model, toy_dir, LoaderOptions(num_threads=3, chunk_mib=1, max_gap_kib=0))
+    assert state_bytes(model) == state_bytes(reference(tp, rank, ep, toy_dir))
+    assert counted_reads["bytes"] == report.data_bytes == model.expected_bytes()
+    assert report.gap_bytes == 0
+
+
+@pytest.mark.parametrize("tp,rank,ep", RANKS[1:])
+def test_gap_reads_are_counted_apart_and_change_nothing(toy_dir, counted_reads, tp, rank, ep):
+    """By default short holes (a row-parallel slice's other columns) are read over, not skipped
+    call by call; those bytes are counted as gap bytes, and the state is the same."""
     model = ToyRank(tp, rank, ep)
     report = load_checkpoint(model, toy_dir, LoaderOptions(num_threads=3, chunk_mib=1))
     assert state_bytes(model) == state_bytes(reference(tp, rank, ep, toy_dir))
-    assert counted_reads["bytes"] == report.data_bytes == model.expected_bytes()
-    # Row-parallel columns are one read per row; everything else is a handful of ranges.
-    assert counted_reads["calls"] <= 2 * 8 + 16
+    assert report.data_bytes == model.expected_bytes()
+    assert counted_reads["bytes"] == report.data_bytes + report.gap_bytes
+    assert 0 < report.gap_bytes
 
 
 def test_reads_are_joined_when_adjacent_and_split_when_long():
@@ -66,8 +78,12 @@ def test_reads_are_joined_when_adjacent_and_split_when_long():
     requests = [reader.ReadRequest("a", 0, mv[0:10]), reader.ReadRequest("a", 10, mv[10:12]),
                 reader.ReadRequest("a", 20, mv[12:14]), reader.ReadRequest("b", 12, mv[14:16])]
     calls = reader._calls(requests, chunk_bytes=4)
-    assert [(f, off, [len(b) for b in bufs]) for f, off, bufs in calls] == [
-        ("a", 0, [4]), ("a", 4, [4]), ("a", 8, [2, 2]), ("a", 20, [2]), ("b", 12, [2])]
+    assert [(f, off, [len(b) for b in bufs], gap) for f, off, bufs, gap in calls] == [
+        ("a", 0, [4], 0), ("a", 4, [4], 0), ("a", 8, [2, 2], 0), ("a", 20, [2], 0), ("b", 12, [2], 0)]
+    # A hole of up to max_gap bytes is read into the scratch buffer instead of starting a call.
+    calls = reader._calls(requests, chunk_bytes=32, max_gap=8, gap_buffer=memoryview(bytearray(8)))
+    assert [(f, off, [len(b) for b in bufs], gap) for f, off, bufs, gap in calls] == [
+        ("a", 0, [10, 2, 8, 2], 8), ("b", 12, [2], 0)]
 
 
 def test_device_parameters_are_staged_and_handed_over_once(toy_dir, monkeypatch):

@@ -57,14 +57,15 @@ class Progress:
 
 
 def load_checkpoint(model: torch.nn.Module, directory, options: LoaderOptions | None = None,
-                    label: str = "rank 0") -> LoadReport:
+                    label: str = "rank 0", optional: frozenset[str] = frozenset()) -> LoadReport:
+    """`optional`: parameter names the checkpoint may leave out (see plan.check_complete)."""
     options = options or LoaderOptions()
     t0 = time.perf_counter()
     ckpt = open_checkpoint(directory)
     plans, params = plan_rank(model, ckpt)
     all_known = all(p.writes is not None for p in plans)
     if all_known:  # otherwise a replay must run first; checked below, still before the model is used
-        check_complete(model, known_writes(plans), ckpt.directory)
+        check_complete(model, known_writes(plans), ckpt.directory, optional)
     needed = [p for p in plans if p.needed_runs]
     total = sum(n * p.entry.itemsize for p in needed for _, n in p.needed_runs)
     logger.info("beam loader %s: %d of %d tensors needed, %.2f of %.2f GiB, from %d shards", label, len(needed),
@@ -77,7 +78,7 @@ def load_checkpoint(model: torch.nn.Module, directory, options: LoaderOptions | 
         run_units(units, reader, options.max_staging_bytes)
         data_bytes, gap_bytes, calls = reader.bytes_read, reader.gap_bytes, reader.calls
     if not all_known:
-        check_complete(model, known_writes(plans) + replay_writes, ckpt.directory)
+        check_complete(model, known_writes(plans) + replay_writes, ckpt.directory, optional)
     report = LoadReport(label, data_bytes, gap_bytes, sum(ckpt.header_bytes.values()), calls, len(needed), len(plans),
                         ckpt.total_bytes, time.perf_counter() - t0)
     logger.info("beam loader %s: loaded %d tensors, %.2f GiB (+%.2f GiB read across gaps) in %.1f s (%.2f GB/s), "

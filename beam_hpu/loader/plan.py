@@ -23,14 +23,18 @@ def plan_rank(model: torch.nn.Module, ckpt: Checkpoint) -> tuple[list[TensorPlan
     return plans, params
 
 
-def check_complete(model: torch.nn.Module, writes: list[Write], ckpt_dir) -> None:
-    """Raise naming the parameters left unloaded or loaded twice (and by which tensors)."""
+def check_complete(model: torch.nn.Module, writes: list[Write], ckpt_dir, optional: frozenset[str] = frozenset()) -> None:
+    """Raise naming the parameters left unloaded or loaded twice (and by which tensors).
+
+    `optional`: parameters a checkpoint may leave out (their defaults stand), e.g. KV-cache scales."""
     by_param: dict[str, list[Write]] = defaultdict(list)
     for w in writes:
         by_param[w.param].append(w)
     problems = []
     for name, p in model.named_parameters():
         ws = by_param.get(name, [])
+        if not ws and name in optional:
+            continue
         overlap, gaps = overlaps_and_gaps([r for w in ws for r in w.runs], p.numel())
         if gaps:
             problems.append(f"{name} {list(p.shape)}: {gaps} of {p.numel()} elements not in any checkpoint tensor")

@@ -20,6 +20,16 @@ def rank_label() -> str:
     return f"rank {torch.distributed.get_rank()}/{torch.distributed.get_world_size()}"
 
 
+def optional_parameters(model: nn.Module) -> frozenset[str]:
+    """Parameters vLLM gives defaults when the checkpoint has none: an Attention layer's own
+    KV-cache quantisation scales / zero points (created under a quantised config, filled with
+    defaults in process_weights_after_loading when not loaded)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    return frozenset(f"{mod_name}.{p_name}" for mod_name, mod in model.named_modules() if isinstance(mod, Attention)
+                     for p_name, _ in mod.named_parameters(recurse=False))
+
+
 class BeamModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
@@ -38,6 +48,7 @@ class BeamModelLoader(BaseModelLoader):
         self.checkpoint_dir(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        report = load_checkpoint(model, self.checkpoint_dir(model_config), self.options, rank_label())
+        report = load_checkpoint(model, self.checkpoint_dir(model_config), self.options, rank_label(),
+                                 optional_parameters(model))
         # For tests and benchmarks that ask the worker what it read (`LLM.apply_model`).
         model.beam_load_report = report.as_dict()

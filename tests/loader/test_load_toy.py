@@ -131,3 +131,15 @@ def test_tensor_loaded_twice_is_named(tmp_path):
     directory = write_toy_checkpoint(tmp_path / "twice")
     with pytest.raises(CheckpointError, match=r"w13: 48 elements written more than once, by \['experts.0.gate.weight', 'experts.0.up.weight'\]"):
         load_checkpoint(Twice(2, 0, True), directory)
+
+
+def test_optional_parameters_may_stay_unloaded_but_nothing_else(tmp_path):
+    """KV-cache scales are the kind of parameter vLLM defaults when a checkpoint has none."""
+    tensors = toy_tensors()
+    del tensors["norm.weight"]
+    directory = write_toy_checkpoint(tmp_path / "no-norm", tensors)
+    model = ToyRank(2, 0, True)
+    load_checkpoint(model, directory, optional=frozenset({"norm"}))
+    assert (model.norm == -7).all()
+    with pytest.raises(CheckpointError, match=r"norm \[6\]: 6 of 6 elements not in any checkpoint tensor"):
+        load_checkpoint(ToyRank(2, 0, True), directory, optional=frozenset({"cast"}))

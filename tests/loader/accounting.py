@@ -34,6 +34,15 @@ def tensor_bytes(model_dir: Path) -> dict[str, int]:
     return sizes
 
 
+def header_bytes(model_dir: Path) -> int:
+    """The fixed per-rank overhead: each shard's 8-byte length and JSON header, read once."""
+    total = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            total += 8 + int.from_bytes(fh.read(8), "little")
+    return total
+
+
 def local_experts(num_experts: int, ep_size: int, rank: int) -> range:
     base, rem = divmod(num_experts, ep_size)
     start = rank * base + min(rank, rem)

@@ -6,8 +6,13 @@ Jobs:
   {"prompt_logprobs": [ids]}             -> logprob of each prompt token given its prefix
   {"greedy": [ids], "max_tokens": n}     -> greedy token ids and their logprobs
   {"decode_vs_prefill": [ids], "max_tokens": n} -> decoded logprobs and the same tokens' prompt logprobs
+  {"dump_state": DIR}                    -> each worker saves its model's tensors as loaded (before
+                                            post-processing) to DIR/rank{r}.pt;
+                                            returns [{rank, path, load_report}] (load_report: what
+                                            `--load-format beam` read on that rank, else None)
 """
 
+import functools
 import json
 import os
 import sys
@@ -15,7 +20,21 @@ import sys
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+def dump_state(out_dir: str, model) -> dict:
+    """Runs inside each worker (LLM.apply_model): the model's tensors after loading, to a file."""
+    import torch
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    torch.save(model.loaded_state, path)  # see tests/support/loaded_state.py
+    return {"rank": rank, "path": path, "load_report": getattr(model, "beam_load_report", None)}
+
+
 def run(spec: dict) -> dict:
+    if any("dump_state" in job for job in spec["jobs"]):
+        # apply_model ships a function to the workers by pickle, which vLLM allows only when asked.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        spec.setdefault("engine_kwargs", {})["worker_extension_cls"] = "tests.support.loaded_state.LoadedStateExtension"
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -62,6 +81,9 @@ def run(spec: dict) -> dict:
             results.append({"tokens": list(out.token_ids),
                             "decode": [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)],
                             "prefill": [again[len(ids) + i][t].logprob for i, t in enumerate(out.token_ids)]})
+        elif "dump_state" in job:
+            results.append(sorted(llm.apply_model(functools.partial(dump_state, job["dump_state"])),
+                                  key=lambda r: r["rank"]))
         else:
             raise ValueError(f"unknown job {job}")
     llm.llm_engine.engine_core.shutdown()

@@ -80,5 +80,12 @@ def _register_portable_fp8_moe() -> None:
     install()
 
 
+def _register_cpu_expert_parallel() -> None:
+    # CPU only: vLLM-CPU's unquantised expert kernel ignores expert_map (see cpu_expert_parallel.py).
+    from beam_hpu.cpu_expert_parallel import install
+
+    install()
+
+
 # Each room registers itself; the model comes first.
-_PARTS = [_register_loader, _register_parsers, _register_portable_fp8_moe]
+_PARTS = [_register_loader, _register_parsers, _register_portable_fp8_moe, _register_cpu_expert_parallel]

@@ -6,6 +6,9 @@ Jobs:
   {"prompt_logprobs": [ids]}             -> logprob of each prompt token given its prefix
   {"greedy": [ids], "max_tokens": n}     -> greedy token ids and their logprobs
   {"decode_vs_prefill": [ids], "max_tokens": n} -> decoded logprobs and the same tokens' prompt logprobs
+  {"prompt_distributions": [ids]}        -> full next-token log-distribution at every prompt position
+                                            (needs engine_kwargs max_logprobs >= vocab)
+  {"experts": true}                      -> per worker: its MoE layers' local experts (see expert_inventory)
 """
 
 import json
@@ -15,7 +18,41 @@ import sys
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+def expert_inventory(model) -> dict:
+    """Run inside each worker (LLM.apply_model): what this rank holds in every routed-experts layer.
+
+    Per layer: the EP rank, the number of local experts in the weight tensors, the global id of
+    each local slot (from the expert map; all ids without expert parallel), and a fingerprint of
+    each slot's down projection (sum of its dequantised weights; the CPU kernels' weight prepacking
+    only reorders elements within an expert) to match against the checkpoint's experts.
+    """
+    import torch
+
+    layers = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "w2_weight") and hasattr(module, "expert_map_manager")):
+            continue
+        w2 = module.w2_weight.detach().float()
+        scale = getattr(module, "w2_weight_scale", None)
+        if scale is not None:
+            w2 = w2 * scale.detach().float()
+        expert_map = module.expert_map_manager.expert_map
+        if expert_map is None:
+            global_ids = list(range(w2.shape[0]))
+        else:
+            global_ids = [-1] * w2.shape[0]
+            for g, local in enumerate(expert_map.tolist()):
+                if local >= 0:
+                    global_ids[local] = g
+        layers[name] = {"ep_rank": module.expert_map_manager.ep_rank, "local": w2.shape[0],
+                        "global_ids": global_ids, "w2_sums": w2.sum(dim=(1, 2)).tolist()}
+    return layers
+
+
 def run(spec: dict) -> dict:
+    if any("experts" in job for job in spec["jobs"]):
+        # LLM.apply_model ships a function to the workers, which needs pickled callables.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -62,6 +99,19 @@ def run(spec: dict) -> dict:
             results.append({"tokens": list(out.token_ids),
                             "decode": [out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)],
                             "prefill": [again[len(ids) + i][t].logprob for i, t in enumerate(out.token_ids)]})
+        elif "prompt_distributions" in job:
+            ids = job["prompt_distributions"]
+            out = llm.generate([{"prompt_token_ids": ids}],
+                               SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1), use_tqdm=False)
+            pl = out[0].prompt_logprobs
+            # Position i holds log p(. | ids[:i]) for i >= 1: row i - 1 is the distribution after ids[:i].
+            results.append({"prompt_distributions": [
+                [lp.logprob for _, lp in sorted(pl[i].items())] for i in range(1, len(ids))]})
+        elif "experts" in job:
+            # By its importable name: run as `-m`, this module is __main__, which workers cannot import.
+            from tests.support.engine_run import expert_inventory as inventory
+
+            results.append({"ranks": llm.apply_model(inventory)})
         else:
             raise ValueError(f"unknown job {job}")
     llm.llm_engine.engine_core.shutdown()

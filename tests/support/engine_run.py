@@ -10,6 +10,11 @@ Jobs:
                                             post-processing) to DIR/rank{r}.pt;
                                             returns [{rank, path, load_report}] (load_report: what
                                             `--load-format beam` read on that rank, else None)
+  {"prompt_distributions": [ids]}        -> full next-token log-distribution at every prompt position
+                                            (needs engine_kwargs max_logprobs >= vocab)
+  {"experts": true}                      -> per worker: its MoE layers' local experts (see expert_inventory)
+  {"mutate_expert_map": true}            -> test mutation: roll every MoE layer's expert map by one slot
+                                            on every worker (wrong experts from here on); later jobs see it
 """
 
 import functools
@@ -30,10 +35,57 @@ def dump_state(out_dir: str, model) -> dict:
     return {"rank": rank, "path": path, "load_report": getattr(model, "beam_load_report", None)}
 
 
+def expert_inventory(model) -> dict:
+    """Run inside each worker (LLM.apply_model): what this rank holds in every routed-experts layer.
+
+    Per layer: the EP rank, the number of local experts in the weight tensors, the global id of
+    each local slot (from the expert map; all ids without expert parallel), and a fingerprint of
+    each slot's down projection (sum of its dequantised weights; the CPU kernels' weight prepacking
+    only reorders elements within an expert) to match against the checkpoint's experts.
+    """
+    import torch
+
+    layers = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "w2_weight") and hasattr(module, "expert_map_manager")):
+            continue
+        w2 = module.w2_weight.detach().float()
+        scale = getattr(module, "w2_weight_scale", None)
+        if scale is not None:
+            w2 = w2 * scale.detach().float()
+        expert_map = module.expert_map_manager.expert_map
+        if expert_map is None:
+            global_ids = list(range(w2.shape[0]))
+        else:
+            global_ids = [-1] * w2.shape[0]
+            for g, local in enumerate(expert_map.tolist()):
+                if local >= 0:
+                    global_ids[local] = g
+        layers[name] = {"ep_rank": module.expert_map_manager.ep_rank, "local": w2.shape[0],
+                        "dtype": str(module.w2_weight.dtype).removeprefix("torch."),
+                        "global_ids": global_ids, "w2_sums": w2.sum(dim=(1, 2)).tolist()}
+    return layers
+
+
+def roll_expert_maps(model) -> int:
+    """Run inside each worker: shift each routed-experts layer's global->local map by one global id,
+    so every expert id is mapped wrongly (expert g is computed with the weights meant for g - 1's
+    slot, or lands on the other rank). Returns how many layers it changed."""
+    changed = 0
+    for module in model.modules():
+        expert_map = getattr(module, "_expert_map", None)
+        if hasattr(module, "expert_map_manager") and expert_map is not None:
+            expert_map.copy_(expert_map.roll(1))
+            changed += 1
+    return changed
+
+
 def run(spec: dict) -> dict:
-    if any("dump_state" in job for job in spec["jobs"]):
-        # apply_model ships a function to the workers by pickle, which vLLM allows only when asked.
+    jobs = spec["jobs"]
+    if any(key in job for job in jobs for key in ("dump_state", "experts", "mutate_expert_map")):
+        # LLM.apply_model ships a function to the workers by pickle, which vLLM allows only when asked.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if any("dump_state" in job for job in jobs):
         spec.setdefault("engine_kwargs", {})["worker_extension_cls"] = "tests.support.loaded_state.LoadedStateExtension"
     from vllm import LLM, SamplingParams
 
@@ -84,6 +136,23 @@ def run(spec: dict) -> dict:
         elif "dump_state" in job:
             results.append(sorted(llm.apply_model(functools.partial(dump_state, job["dump_state"])),
                                   key=lambda r: r["rank"]))
+        elif "prompt_distributions" in job:
+            ids = job["prompt_distributions"]
+            out = llm.generate([{"prompt_token_ids": ids}],
+                               SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=-1), use_tqdm=False)
+            pl = out[0].prompt_logprobs
+            # Position i holds log p(. | ids[:i]) for i >= 1: row i - 1 is the distribution after ids[:i].
+            results.append({"prompt_distributions": [
+                [lp.logprob for _, lp in sorted(pl[i].items())] for i in range(1, len(ids))]})
+        elif "experts" in job:
+            # By its importable name: run as `-m`, this module is __main__, which workers cannot import.
+            from tests.support.engine_run import expert_inventory as inventory
+
+            results.append({"ranks": llm.apply_model(inventory)})
+        elif "mutate_expert_map" in job:
+            from tests.support.engine_run import roll_expert_maps
+
+            results.append({"changed_layers": llm.apply_model(roll_expert_maps)})
         else:
             raise ValueError(f"unknown job {job}")
     llm.llm_engine.engine_core.shutdown()

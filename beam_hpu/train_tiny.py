@@ -33,6 +33,8 @@ from beam_hpu import synthetic as syn
 from beam_hpu.tiny import build_tokenizer, config_dict, preset, write_tiny_checkpoint, write_tokenizer
 
 PRESET = "trained"
+# The committed weights: `python -m beam_hpu.train_tiny beam_hpu/data/trained_tiny` writes them.
+TRAINED_DIR = Path(__file__).parent / "data" / "trained_tiny"
 DEFAULTS = dict(steps=1200, batch=8, lr=3e-3, seed=0, max_len=640)
 MIX = [("copy", 0.30), ("needle", 0.35), ("tools", 0.25), ("echo", 0.10)]
 

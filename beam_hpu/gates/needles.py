@@ -12,8 +12,7 @@ from beam_hpu.gates.result import GateResult
 
 
 def ask(ep, profile, prompt: str) -> dict:
-    return assembled(ep.chat(user(prompt), temperature=0.0, max_tokens=profile.max_tokens_chat,
-                             extra_body={"return_token_ids": False}))
+    return assembled(ep.chat(user(prompt), temperature=0.0, max_tokens=profile.max_tokens_chat))
 
 
 def run(ep, profile, **_) -> GateResult:

@@ -122,10 +122,35 @@ def run(ep, profile, reference_checkpoint=None, reference_file=None, **_) -> Gat
     ok = [abs(r["ppl_change"]) <= g["ppl_rel"] and r["top1"] >= r["floor_top1"] - g["top1_margin"]
           and r["kl"] <= g["kl"] for r in rows]
     def col(fmt: str, key: str, scale: float = 1.0) -> str:
-        return " / ".join(format(r[key] * scale, fmt) for r in rows)
+        return " / ".join(format(r[key] * scale if scale != 1.0 else r[key], fmt) for r in rows)
 
     result = (f"vs {ref['reference']}, {len(rows)} passages ({col('d', 'tokens')} tokens): "
               f"perplexity {col('+.2f', 'ppl_change', 100)}% (gate ±{100 * g['ppl_rel']:.0f}%); "
               f"top-1 {col('.2f', 'top1', 100)}% (floor {col('.2f', 'floor_top1', 100)}%, "
               f"gate floor - {100 * g['top1_margin']:.0f} points); KL {col('.4f', 'kl')} (gate {g['kl']})")
     return GateResult("perplexity", all(ok), result, {"passages": rows, "gates": g})
+
+
+def main(argv=None) -> int:
+    """Write a stored reference: python -m beam_hpu.gates.perplexity CHECKPOINT OUT.json --text F [--text F ...]
+    (one passage per text file, tokenized with the checkpoint's tokenizer; gates from the gaudi profile)."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from beam_hpu.gates.profile import get_profile
+
+    ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    ap.add_argument("--text", action="append", required=True)
+    ap.add_argument("--topk", type=int, default=20)
+    args = ap.parse_args(argv)
+    tok = AutoTokenizer.from_pretrained(args.checkpoint)
+    passages = {Path(f).stem: tok(Path(f).read_text(), add_special_tokens=False).input_ids for f in args.text}
+    write_reference_file(args.checkpoint, passages, args.out, get_profile("gaudi"), args.topk)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

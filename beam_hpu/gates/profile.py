@@ -101,7 +101,7 @@ PROFILES = {
     "cpu": Profile(
         name="cpu", smoke_prompts=_cpu_smoke(), filler="tiny", max_tokens_chat=96,
         ppl_passage_tokens=(64, 160, 300), dvp_prompts=3, dvp_prompt_tokens=24, dvp_decode_tokens=64,
-        needle_lengths=(160, 320, 520), copy_lengths=(160, 300), copy_restart=8, copy_tokens=24,
+        needle_lengths=(128, 256, 448), copy_lengths=(128, 256), copy_restart=8, copy_tokens=24,
         isolation_haystack_tokens=40, isolation_batch_equal=True,
         stress_streams=6, stress_decode_tokens=48, stress_prompt_tokens=600, tools_max_tokens=160,
     ),

@@ -3,14 +3,19 @@ FP8), and broken copies of it that must fail a gate: full layers given a window,
 one, the attention output gate dropped, experts swapped behind the router."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
+from beam_hpu.gates import GATES
 from beam_hpu.gates.client import Endpoint
 from beam_hpu.gates.profile import get_profile
 from beam_hpu.gates.run import run_gates
 from beam_hpu.train_tiny import TRAINED_DIR
+from tests.support.engines import REPO
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
@@ -31,9 +36,20 @@ def _report(results) -> str:
                      for r in results.values())
 
 
-def test_all_gates_pass_on_the_trained_tiny_beam_bf16():
-    results = serve_and_gate(TRAINED_DIR)
-    assert all(r.passed for r in results.values()), _report(results)
+def test_run_gates_sh_passes_every_gate_on_the_trained_tiny_beam_bf16(tmp_path):
+    """The operator's entry point, as the recipe runs it: table on stdout, JSON report, exit 0."""
+    server = Server(TRAINED_DIR)
+    try:
+        proc = subprocess.run([str(REPO / "tests/hpu/run_gates.sh"), "--base-url", server.base_url, "--model",
+                               server.model, "--profile", "cpu", "--json", str(tmp_path / "gates.json"),
+                               "--reference-checkpoint", str(TRAINED_DIR)],
+                              env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=1200)
+    finally:
+        server.stop()
+    report = json.loads((tmp_path / "gates.json").read_text())
+    assert proc.returncode == 0 and report["passed"], proc.stdout + proc.stderr + json.dumps(report)[:6000]
+    assert proc.stdout.startswith("| Gate | Result | Pass |")
+    assert [g["gate"] for g in report["gates"]] == GATES
 
 
 def test_all_gates_pass_on_the_trained_tiny_beam_fp8(tmp_path):

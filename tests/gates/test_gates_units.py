@@ -77,9 +77,9 @@ def tokenizer(tmp_path_factory):
 def test_training_prefix_is_deterministic_and_seed_dependent():
     from beam_hpu.train_tiny import state_digest, train
 
-    a = state_digest(train(3, 2, 3e-3, 0, 160, log_every=0)[0])
-    b = state_digest(train(3, 2, 3e-3, 0, 160, log_every=0)[0])
-    c = state_digest(train(3, 2, 3e-3, 1, 160, log_every=0)[0])
+    a = state_digest(train(3, 3e-3, 0, 160, log_every=0)[0])
+    b = state_digest(train(3, 3e-3, 0, 160, log_every=0)[0])
+    c = state_digest(train(3, 3e-3, 1, 160, log_every=0)[0])
     assert a == b != c
 
 
@@ -90,7 +90,7 @@ def test_published_state_dict_round_trips_through_the_checkpoint(tmp_path):
     from beam_hpu.tiny import write_tiny_checkpoint
     from beam_hpu.train_tiny import PRESET, published_state_dict, train
 
-    model, _ = train(1, 2, 3e-3, 0, 96, log_every=0)
+    model, _ = train(1, 3e-3, 0, 96, log_every=0)
     write_tiny_checkpoint(tmp_path, PRESET, dtype="float32", num_shards=1,
                           state_dict=published_state_dict(model, torch.float32))
     back = BeamForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
@@ -98,3 +98,43 @@ def test_published_state_dict_round_trips_through_the_checkpoint(tmp_path):
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids).logits, back(input_ids=ids).logits, atol=1e-5)
     assert math.isfinite(float(back(input_ids=ids).logits.sum()))
+
+
+class _ModelEndpoint:
+    """Stands in for a server: prompt_logprobs from a transformers model, optionally perturbed."""
+
+    def __init__(self, model, noise=0.0):
+        self.model, self.noise = model, noise
+
+    def prompt_top(self, ids, k):
+        from beam_hpu.reference import next_token_logprobs
+
+        lp = next_token_logprobs(self.model, ids)
+        if self.noise:
+            g = torch.Generator().manual_seed(0)
+            lp = torch.log_softmax(lp + self.noise * torch.randn(lp.shape, generator=g), -1)
+        out = [None]
+        for i in range(1, len(ids)):
+            v, t = lp[i - 1].topk(k)
+            d = {int(a): float(b) for a, b in zip(t, v)}
+            d[ids[i]] = float(lp[i - 1, ids[i]])
+            out.append((d, int(t[0])))
+        return out
+
+
+def test_perplexity_gate_from_a_stored_reference_file_passes_same_and_fails_perturbed(tmp_path):
+    from beam_hpu.gates import perplexity
+    from beam_hpu.reference import load_oracle
+    from beam_hpu.tiny import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "small", dtype="float32")
+    passages = {"a": list(range(8, 72)), "b": [9, 10, 11] * 20}
+    ref_file = tmp_path / "ref.json"
+    perplexity.write_reference_file(ckpt, passages, ref_file, get_profile("gaudi"), k=10)
+    stored = json.loads(ref_file.read_text())
+    assert stored["format"] == perplexity.FORMAT and len(stored["passages"]) == 2
+    model = load_oracle(ckpt, torch.float32)
+    same = perplexity.run(_ModelEndpoint(model), get_profile("gaudi"), reference_file=ref_file)
+    assert same.passed, same.result
+    bad = perplexity.run(_ModelEndpoint(model, noise=1.0), get_profile("gaudi"), reference_file=ref_file)
+    assert not bad.passed, bad.result

@@ -239,8 +239,7 @@ def greedy(model, ids: list[int], n: int, stop: set[int] = frozenset()) -> list[
 
 def evaluate(model, tok, max_len: int, n: int = 8, seed: int = 1234) -> dict:
     """Quick in-process check: copy (16 tokens exact) and needle (code in the final answer) rates."""
-    short, tasks = Tasks(tok, PHASE1["max_len"]), Tasks(tok, max_len)
-    phase1 = int(steps * WARMUP_FRACTION)
+    tasks = Tasks(tok, max_len)
     rng = random.Random(seed)
     stop = {tasks.ret, tok.convert_tokens_to_ids("<|call|>")}
     copy_ok = needle_ok = 0

@@ -99,9 +99,9 @@ def needle_answer(key: str, code: str) -> tuple[str, str]:
 # Echo (smoke gate)
 
 
-def echo_task(rng: random.Random) -> tuple[str, str]:
+def echo_task(rng: random.Random, max_words: int = 3) -> tuple[str, str]:
     """(prompt, expected answer): the tiny model repeats one to three words."""
-    words = " ".join(rng.choice(CITIES) for _ in range(rng.randint(1, 3)))
+    words = " ".join(rng.choice(CITIES) for _ in range(rng.randint(1, max_words)))
     return f"Repeat after me: {words}", words
 
 

@@ -31,7 +31,10 @@ def serve_and_gate(model_dir, only=None, reference=None):
     server = Server(model_dir)
     try:
         ep = Endpoint(server.base_url, server.model)
-        return {r.gate: r for r in run_gates(ep, PROFILE, only, reference_checkpoint=reference or model_dir)}
+        results = {r.gate: r for r in run_gates(ep, PROFILE, only, reference_checkpoint=reference or model_dir)}
+        for r in results.values():
+            print(f"{model_dir.name}: {r.gate} {'PASS' if r.passed else 'FAIL'}: {r.result}")
+        return results
     finally:
         server.stop()
 

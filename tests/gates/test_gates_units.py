@@ -90,7 +90,7 @@ def test_published_state_dict_round_trips_through_the_checkpoint(tmp_path):
     from beam_hpu.tiny import write_tiny_checkpoint
     from beam_hpu.train_tiny import PRESET, published_state_dict, train
 
-    model, _ = train(1, 3e-3, 0, 96, log_every=0)
+    model, _ = train(1, 3e-3, 0, 160, log_every=0)
     write_tiny_checkpoint(tmp_path, PRESET, dtype="float32", num_shards=1,
                           state_dict=published_state_dict(model, torch.float32))
     back = BeamForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()

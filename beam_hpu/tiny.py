@@ -85,6 +85,16 @@ PRESETS = {
         sliding_window=24,
         final_logit_softcapping=30.0,
     ),
+    # The tiny *trained* Beam (beam_hpu/train_tiny.py): wider, so it can learn to copy and retrieve;
+    # layers SWA, SWA, full, SWA, full with window 32, so needles sit many windows back.
+    "trained": TinyPreset(
+        hidden_size=128,
+        num_hidden_layers=5,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        sliding_window=32,
+        final_logit_softcapping=30.0,
+    ),
 }
 
 

@@ -1,0 +1,140 @@
+"""Fast checks of the gate suite's pieces and of the training script (no server)."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from beam_hpu import synthetic as syn
+from beam_hpu.gates.perplexity import coarse_kl
+from beam_hpu.gates.profile import get_profile
+from beam_hpu.gates.result import GateResult, table, write_json
+
+
+def test_coarse_kl_is_zero_for_equal_and_a_lower_bound_of_the_full_kl():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        p = torch.log_softmax(torch.randn(50, generator=g) * 2, -1)
+        q = torch.log_softmax(torch.randn(50, generator=g) * 2, -1)
+        full = float((p.exp() * (p - q)).sum())
+        top = lambda lp: {int(i): float(lp[i]) for i in lp.topk(10).indices}  # noqa: E731
+        assert coarse_kl(top(p), top(p)) == pytest.approx(0.0, abs=1e-9)
+        est = coarse_kl(top(p), top(q))
+        assert 0.0 <= est <= full + 1e-9
+
+
+def test_needle_prompt_plants_the_needle_at_depth_and_the_control_has_none():
+    hay = "x" * 1000
+    p = syn.needle_prompt(hay, "abcde", "1234", 0.5)
+    assert p.index("The code for abcde is 1234.") == pytest.approx(500, abs=2)
+    assert p.endswith(syn.needle_question("abcde"))
+    assert "1234" not in syn.needle_prompt(hay, "abcde", None, 0.5)
+
+
+def test_tool_conversations_render_and_are_valid_against_their_schemas(tokenizer):
+    import jsonschema
+
+    rng = random.Random(0)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in syn.TOOLS}
+    for _ in range(50):
+        tools, messages = syn.tool_conversation(rng)
+        for call in messages[-1].get("tool_calls", []):
+            assert call["function"]["name"] in {t["function"]["name"] for t in tools}
+            jsonschema.validate(call["function"]["arguments"], schemas[call["function"]["name"]])
+        tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+
+
+def test_profiles_cpu_is_smaller_than_gaudi():
+    cpu, gaudi = get_profile("cpu"), get_profile("gaudi")
+    assert max(cpu.needle_lengths) < 1024 < min(gaudi.needle_lengths)
+    assert len(gaudi.smoke_prompts) == 20 and gaudi.isolation_requests == cpu.isolation_requests == 8
+    with pytest.raises(ValueError):
+        get_profile("tpu")
+
+
+def test_table_and_json(tmp_path):
+    rs = [GateResult("copy", True, "64/64 | ok"), GateResult("stress", False, "1/2 complete")]
+    t = table(rs)
+    assert "| copy | 64/64 / ok | PASS |" in t and "| stress | 1/2 complete | FAIL |" in t
+    write_json(rs, tmp_path / "g.json", {"model": "m"})
+    d = json.loads((tmp_path / "g.json").read_text())
+    assert d["passed"] is False and [g["gate"] for g in d["gates"]] == ["copy", "stress"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from beam_hpu.tiny import write_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer(d)
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+def test_training_prefix_is_deterministic_and_seed_dependent():
+    from beam_hpu.train_tiny import state_digest, train
+
+    a = state_digest(train(3, 3e-3, 0, 160, log_every=0)[0])
+    b = state_digest(train(3, 3e-3, 0, 160, log_every=0)[0])
+    c = state_digest(train(3, 3e-3, 1, 160, log_every=0)[0])
+    assert a == b != c
+
+
+def test_published_state_dict_round_trips_through_the_checkpoint(tmp_path):
+    """Fused transformers experts -> published per-expert names -> transformers again: same logits."""
+    from transformers.models.beam import BeamForCausalLM
+
+    from beam_hpu.tiny import write_tiny_checkpoint
+    from beam_hpu.train_tiny import PRESET, published_state_dict, train
+
+    model, _ = train(1, 3e-3, 0, 160, log_every=0)
+    write_tiny_checkpoint(tmp_path, PRESET, dtype="float32", num_shards=1,
+                          state_dict=published_state_dict(model, torch.float32))
+    back = BeamForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    ids = torch.tensor([list(range(8, 72))])
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, back(input_ids=ids).logits, atol=1e-5)
+    assert math.isfinite(float(back(input_ids=ids).logits.sum()))
+
+
+class _ModelEndpoint:
+    """Stands in for a server: prompt_logprobs from a transformers model, optionally perturbed."""
+
+    def __init__(self, model, noise=0.0):
+        self.model, self.noise = model, noise
+
+    def prompt_top(self, ids, k):
+        from beam_hpu.reference import next_token_logprobs
+
+        lp = next_token_logprobs(self.model, ids)
+        if self.noise:
+            g = torch.Generator().manual_seed(0)
+            lp = torch.log_softmax(lp + self.noise * torch.randn(lp.shape, generator=g), -1)
+        out = [None]
+        for i in range(1, len(ids)):
+            v, t = lp[i - 1].topk(k)
+            d = {int(a): float(b) for a, b in zip(t, v)}
+            d[ids[i]] = float(lp[i - 1, ids[i]])
+            out.append((d, int(t[0])))
+        return out
+
+
+def test_perplexity_gate_from_a_stored_reference_file_passes_same_and_fails_perturbed(tmp_path):
+    from beam_hpu.gates import perplexity
+    from beam_hpu.reference import load_oracle
+    from beam_hpu.tiny import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "small", dtype="float32")
+    passages = {"a": list(range(8, 72)), "b": [9, 10, 11] * 20}
+    ref_file = tmp_path / "ref.json"
+    perplexity.write_reference_file(ckpt, passages, ref_file, get_profile("gaudi"), k=10)
+    stored = json.loads(ref_file.read_text())
+    assert stored["format"] == perplexity.FORMAT and len(stored["passages"]) == 2
+    model = load_oracle(ckpt, torch.float32)
+    same = perplexity.run(_ModelEndpoint(model), get_profile("gaudi"), reference_file=ref_file)
+    assert same.passed, same.result
+    bad = perplexity.run(_ModelEndpoint(model, noise=1.0), get_profile("gaudi"), reference_file=ref_file)
+    assert not bad.passed, bad.result

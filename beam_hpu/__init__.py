@@ -57,12 +57,8 @@ def _register_model() -> None:
 
 
 def _register_loader() -> None:
-    try:
-        from beam_hpu.loader import register as register_loader
-    except ModuleNotFoundError as e:  # the loader room is not part of this build yet
-        if e.name != "beam_hpu.loader":
-            raise
-        return
+    from beam_hpu.loader import register as register_loader
+
     register_loader()
 
 

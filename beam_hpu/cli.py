@@ -26,7 +26,7 @@ def serve_command(model_dir: str | Path, *, port: int = 8000, tp: int = 1, ep: b
 
     Kept from the recipe: --dtype bfloat16, --block-size 128, --max-num-seqs 16,
     --max-num-batched-tokens 4096, --enable-prefix-caching, --enable-prompt-tokens-details,
-    --enable-expert-parallel (with --ep), the `beam` parsers once their room is installed.
+    --enable-expert-parallel (with --ep), --load-format beam and the `beam` parsers.
     Changed for CPU, and why: --enforce-eager (the recipe forbids it on HPU because eager decode
     is host-bound there; on CPU it only skips a minutes-long inductor compile of a tiny model);
     --max-model-len 4096 (the tiny model's positions); no --gpu-memory-utilization (CPU sizes the
@@ -50,26 +50,10 @@ def serve_command(model_dir: str | Path, *, port: int = 8000, tp: int = 1, ep: b
     ]
     if ep:
         cmd.append("--enable-expert-parallel")
-    cmd += loader_flags() + parser_flags()
+    # The port's loader and parsers, as in the recipe.
+    cmd += ["--load-format", "beam",
+            "--reasoning-parser", "beam", "--enable-auto-tool-choice", "--tool-call-parser", "beam"]
     return cmd + list(extra or [])
-
-
-def loader_flags() -> list[str]:
-    """`--load-format beam` when the loader room is installed."""
-    try:
-        import beam_hpu.loader  # noqa: F401
-    except ImportError:
-        return []
-    return ["--load-format", "beam"]
-
-
-def parser_flags() -> list[str]:
-    """The recipe's parser flags when the parsers room is installed."""
-    try:
-        import beam_hpu.parsers  # noqa: F401
-    except ImportError:
-        return []
-    return ["--reasoning-parser", "beam", "--enable-auto-tool-choice", "--tool-call-parser", "beam"]
 
 
 def serve_env(tp: int = 1) -> dict[str, str]:

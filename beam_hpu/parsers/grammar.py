@@ -13,7 +13,7 @@ request (tools, tool_choice, parallel_tool_calls, answer format, thinking on/off
 
 The last closer (`<|return|>` after an answer, `<|call|>` after the last call) is an EOS token:
 the grammar ends before it and the matcher accepts a stop token there. Free text never contains a
-control token, so the parsers' reading of the output is never ambiguous. Control tokens are
+control token or parameter markup, so the parsers' reading of the output is never ambiguous. Control tokens are
 matched as the special tokens themselves (`token` formats), never spelled out in ordinary tokens:
 a random-weight model served through vLLM did spell `<|message|>` as `<|`, `messa`, ... when the
 grammar only matched the text, and the token-level questions (reasoning end, reasoning token
@@ -59,7 +59,12 @@ class ResponseGrammar:
         if missing:
             raise ValueError(f"the tokenizer lacks the response template's control tokens {missing}")
         self.ids = {c: vocab[c] for c in t.control_tokens}
-        self.free_text = {"type": "any_text", "excludes": list(t.control_tokens)}
+        # Reasoning and answers never contain tool-call markup either: a model that wants to call
+        # a tool where no call is allowed (tool_choice none) otherwise writes the parameter tags
+        # into its answer, and the client sees `<rfl:parameter ...>` as content.
+        tag_name = t.parameter_begin[0].split(" ")[0]  # `<rfl:parameter`
+        closing = "</" + tag_name[1:]
+        self.free_text = {"type": "any_text", "excludes": [*t.control_tokens, tag_name, closing]}
 
     def _token(self, text: str) -> dict:
         return {"type": "token", "token": self.ids[text]}

@@ -56,6 +56,11 @@ ALWAYS_BAD = {
     "value not framed by newlines": (THINK + CALL_OPEN.format("get_weather") + '<rfl:parameter name="city">Paris</rfl:parameter>', "<|call|>"),
     "answer after a call": (ONE_CALL + "<|end|>" + FINAL + "x", "<|return|>"),
     "call not closed before the next": (ONE_CALL + call("get_weather", ("city", "Oslo")), "<|call|>"),
+    "call with no arguments although one is required": (THINK + call("get_weather"), "<|call|>"),
+    "parameter markup in the answer": (THINK + FINAL + param("city", "Rome"), "<|return|>"),
+    "parameter closer in the answer": (THINK + FINAL + "Rome</rfl:parameter>", "<|return|>"),
+    "parameter markup in the reasoning": ("<|channel|>analysis<|message|>" + param("city", "Rome") + "<|end|>" + FINAL + "x",
+                                          "<|return|>"),
 }
 
 
@@ -97,6 +102,10 @@ def test_none_forbids_calls(parser_cls, tokenizer, compiler):
     tag = grammar_for(parser_cls, tokenizer, tools=TOOLS, tool_choice="none")
     assert accepts(compiler, tokenizer, tag, ANSWER, "<|return|>")
     assert not accepts(compiler, tokenizer, tag, ONE_CALL, "<|call|>")
+    # Seen on the tiny trained model: with calls forbidden it wrote the call's parameter into the
+    # answer. The answer's text excludes that markup, so the client cannot receive it as content.
+    assert not accepts(compiler, tokenizer, tag, THINK + FINAL + param("city", "Rome"), "<|return|>")
+    assert accepts(compiler, tokenizer, tag, THINK + FINAL + "rfl: parameter <b>Rome</b>", "<|return|>")
 
 
 def test_parallel_tool_calls_false_allows_one_call(parser_cls, tokenizer, compiler):

@@ -141,6 +141,12 @@ def json_answer(city: str) -> str:
     return '{"city": "' + city + '"}'
 
 
+def json_conversation(rng: random.Random) -> list[dict]:
+    """A JSON answer asked for without tools (the json_schema tools case sends no tools)."""
+    city = rng.choice(CITIES)
+    return [{"role": "user", "content": json_prompt(city)}, assistant_answer(f"JSON with city {city}.", json_answer(city))]
+
+
 def tool_reasoning(names: list[str]) -> str:
     if len(names) == 2 and names[0] == names[1]:
         return f"Call {names[0]} twice."
@@ -161,15 +167,17 @@ def tool_conversation(rng: random.Random) -> tuple[list[dict], list[dict]]:
     """A random tools-offered conversation and the assistant turn it is trained to produce.
 
     Mostly the natural behaviour (call the tool the question asks for; answer directly when no tool
-    fits). A tenth of the turns are what a forced `tool_choice` makes of the same question (another
-    tool, or a direct answer), so that when the grammar forces a choice the model still completes it.
+    fits). A quarter of the turns with a natural call are what a forced `tool_choice` makes of the
+    same question (a direct answer for `none`, another tool for a named choice): the prompt does not
+    say which choice was made, the grammar does, so the model must be able to complete any branch
+    the grammar leaves it (seen with a tenth: forced into an answer, it wandered to max_tokens).
     """
     tools = rng.sample(TOOLS, rng.randint(2, 3))
     if WEATHER_TOOL not in tools and rng.random() < 0.7:
         tools[0] = WEATHER_TOOL
     names = [t["function"]["name"] for t in tools]
     city, other = rng.sample(CITIES, 2)
-    kind = rng.choice(["weather", "weather", "weather", "parallel", "search", "time", "json", "echo"])
+    kind = rng.choice(["weather", "weather", "parallel", "parallel", "search", "time", "json", "echo"])
     if kind == "search" and "search" not in names or kind == "time" and "get_time" not in names:
         kind = "weather"
     if kind in ("weather", "parallel") and "get_weather" not in names:
@@ -191,10 +199,10 @@ def tool_conversation(rng: random.Random) -> tuple[list[dict], list[dict]]:
         calls = []
     reasoning = tool_reasoning([n for n, _ in calls]) if calls else None
     forced = rng.random()
-    if calls and forced < 0.05:
+    if calls and forced < 0.15:
         # tool_choice "none" on a tool question: answer with the subject.
         turn = assistant_answer(reasoning, calls[0][1].get("city", calls[0][1].get("query", city)))
-    elif calls and forced < 0.10:
+    elif calls and forced < 0.25:
         # A named tool_choice other than the natural one: fill it from the question.
         subject = calls[0][1].get("city") or calls[0][1].get("query")
         name = rng.choice([n for n in names if n != calls[0][0]])

@@ -28,14 +28,7 @@ def ep():
     server.stop()
 
 
-# Failing today on the retrained tiny model (it passed 11/11 with the previous weights, which could
-# not copy): `none` writes tool markup into the answer, `parallel` makes one call, `json_schema`.
-KNOWN_FAILING = {"none", "none-stream", "parallel", "json_schema"}
-
-
-@pytest.mark.parametrize("name,case,stream", [
-    pytest.param(*c, marks=pytest.mark.xfail(strict=False, reason="retrained tiny model, see KNOWN_FAILING"))
-    if c[0] in KNOWN_FAILING else c for c in gate.CASES], ids=[c[0] for c in gate.CASES])
+@pytest.mark.parametrize("name,case,stream", gate.CASES, ids=[c[0] for c in gate.CASES])
 def test_tool_case(ep, name, case, stream):
     case(ep, PROFILE, stream)
 
@@ -46,7 +39,6 @@ def test_streamed_arguments_equal_the_non_streamed_ones(ep, case):
     assert json.dumps(streamed, sort_keys=True) == json.dumps(whole, sort_keys=True)
 
 
-@pytest.mark.xfail(strict=False, reason="retrained tiny model, see KNOWN_FAILING")
 def test_tools_gate_reports_11_of_11(ep):
     r = gate.run(ep, PROFILE)
     assert r.passed and "11/11" in r.result, r.details

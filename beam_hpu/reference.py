@@ -142,15 +142,17 @@ def set_activation_quant(model, fp8_max: float | None) -> None:
         setattr(module, INPUT_QUANT_ATTR, quant)
 
 
-def load_reference(checkpoint_dir: str | Path, fp8_max: float = FP8_E4M3FN_MAX):
-    """The per-token FP8 reference for a compressed-tensors FP8 Beam checkpoint (fp32 compute)."""
+def load_reference(checkpoint_dir: str | Path, fp8_max: float = FP8_E4M3FN_MAX, dtype: torch.dtype = torch.float32):
+    """The per-token FP8 reference for a compressed-tensors FP8 Beam checkpoint: FP8 weights and
+    per-token FP8 activations into every quantised matmul; everything else computed in `dtype`
+    (fp32 by default; bf16 to compare with a server that computes in bf16)."""
     checkpoint_dir = Path(checkpoint_dir)
     qconfig = _quantization_config(checkpoint_dir)
     if qconfig is None:
         raise ValueError(f"{checkpoint_dir}/config.json has no quantization_config: not an FP8 checkpoint")
     tensors = load_checkpoint_tensors(checkpoint_dir)
     names = list(tensors)
-    model = _dequantised_model(checkpoint_dir, tensors, torch.float32)
+    model = _dequantised_model(checkpoint_dir, tensors, dtype)
     linears, experts = _quantised_modules(model, checkpoint_dir, names, qconfig)
     for linear in linears:
         linear.register_forward_pre_hook(_linear_input_hook)

@@ -2,8 +2,10 @@
 
 Reference, per passage (token ids fixed in advance):
   - live (CPU, `--reference-checkpoint DIR`): the per-token FP8 reference of `beam_hpu.reference`
-    for an FP8 checkpoint, the fp32 transformers Beam for an unquantised one. The top-1 floor is
-    what transformers' Beam in bf16 reaches against that reference (a second implementation).
+    for an FP8 checkpoint, transformers' Beam for an unquantised one, computed at the profile's
+    `reference_dtype` (the server's precision, bf16). The top-1 floor is what a second model
+    reaches against that reference: for FP8, transformers' Beam with the weights dequantised
+    (no activation rounding); unquantised, transformers' Beam at the other precision.
   - stored (the 501B model, `--reference-file FILE`): a JSON file in the format below, written by
     `write_reference_file` on a CPU host that can hold the model.
 
@@ -67,10 +69,12 @@ def live_reference(checkpoint: str | Path, passages: dict[str, list[int]], k: in
 
     checkpoint = Path(checkpoint)
     fp8 = _quantization_config(checkpoint) is not None
-    model = load_reference(checkpoint) if fp8 else load_oracle(checkpoint, torch.float32)
-    floor_model = load_oracle(checkpoint, torch.bfloat16)
-    return {"format": FORMAT, "model": str(checkpoint),
-            "reference": "per-token FP8 reference (beam_hpu.reference)" if fp8 else "transformers Beam, fp32",
+    dtype = getattr(torch, profile.reference_dtype)
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    model = load_reference(checkpoint, dtype=dtype) if fp8 else load_oracle(checkpoint, dtype)
+    floor_model = load_oracle(checkpoint, dtype if fp8 else other)
+    name = "per-token FP8 reference (beam_hpu.reference)" if fp8 else "transformers Beam"
+    return {"format": FORMAT, "model": str(checkpoint), "reference": f"{name}, {profile.reference_dtype}",
             "topk": k, "gates": {"ppl_rel": profile.ppl_rel_gate, "kl": profile.kl_gate,
                                  "top1_margin": profile.top1_margin},
             "passages": [reference_passage(model, ids, k, name, floor_model) for name, ids in passages.items()]}

@@ -20,12 +20,13 @@ from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 PROFILE = get_profile("cpu")
-# Gates that FAIL today on the committed tiny model (measured, both bf16 and FP8; see the report of
-# issue 8): tools 7/11 (none: tool markup written into the final answer; parallel: one call;
-# json_schema), needles 8/9, perplexity (bf16: +1.47% on one passage vs the 1% bar; FP8: KL
-# 0.022-0.031 vs the per-token FP8 reference, bar 0.02). Every other gate must pass. Empty this set
-# as the model / port is fixed; it is not a tolerance.
-UNLEARNT: set[str] = {"tools", "needles", "perplexity"}
+# Gates that FAIL today (measured; see the report of issue 8). Empty this set as the port is fixed;
+# it is not a tolerance. FP8 perplexity: served in bf16, the tiny trained Beam's FP8 path moves the
+# 64-token passage's perplexity by -7.5% against the per-token FP8 reference (fp32 or bf16 alike;
+# KL 0.017-0.038 vs the 0.02 bar); served in fp32 the same comparison gives +2.0% / KL 0.0016, and the
+# reference itself moves by 1.8-2.8% between fp32 and bf16 on this model, so the tiny model's FP8
+# perplexity is not defined to 1% on CPU. Not yet explained; every other FP8 gate passes.
+FP8_OPEN: set[str] = {"perplexity"}
 
 
 def serve_and_gate(model_dir, only=None, reference=None):
@@ -59,8 +60,8 @@ def test_run_gates_sh_passes_every_gate_on_the_trained_tiny_beam_bf16(tmp_path):
     assert proc.stdout.startswith("| Gate | Result | Pass |"), proc.stdout + proc.stderr
     assert [g["gate"] for g in report["gates"]] == GATES
     failed = {g["gate"] for g in report["gates"] if not g["passed"]}
-    assert failed <= UNLEARNT, proc.stdout + proc.stderr + json.dumps(report)[:6000]
-    assert proc.returncode == (1 if failed else 0)
+    assert not failed, proc.stdout + proc.stderr + json.dumps(report)[:6000]
+    assert proc.returncode == 0
 
 
 def test_all_gates_pass_on_the_trained_tiny_beam_fp8(tmp_path):
@@ -68,7 +69,7 @@ def test_all_gates_pass_on_the_trained_tiny_beam_fp8(tmp_path):
 
     fp8 = quantize_checkpoint(TRAINED_DIR, tmp_path / "fp8")
     results = serve_and_gate(fp8)
-    assert all(r.passed for g, r in results.items() if g not in UNLEARNT), _report(results)
+    assert all(r.passed for g, r in results.items() if g not in FP8_OPEN), _report(results)
     assert "FP8" in results["perplexity"].result  # compared with the per-token FP8 reference
 
 

@@ -1,9 +1,10 @@
 """`beam-hpu`: tiny checkpoints and the CPU demo.
 
-  beam-hpu tiny DIR [--preset small|wide] [--dtype bfloat16|float32] [--seed N] [--fp8]
-  beam-hpu demo [--dir DIR] [--port 8000] [--tp 1] [--ep] [--fp8] [--print-only]
+  beam-hpu tiny DIR [--preset small|wide|trained] [--dtype bfloat16|float32] [--seed N] [--fp8]
+  beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--print-only]
 
-`demo` is the project's main job on a machine without Gaudi: it writes a tiny Beam checkpoint and
+`demo` is the project's main job on a machine without Gaudi: it writes a tiny Beam checkpoint (by
+default the committed tiny trained Beam, which reasons briefly, answers and calls tools) and
 serves it with `vllm serve`, using every flag of the recipe's launch block that means something on
 CPU (see `serve_command`), so the same plugin, model and parsers run as on the Gaudi node.
 """
@@ -17,6 +18,8 @@ import sys
 from pathlib import Path
 
 DEFAULT_DEMO_DIR = Path(".beam-hpu/tiny-demo")
+# Random-weight presets of beam_hpu.tiny; "trained" on the command line means the trained weights.
+PRESET_NAMES = ["small", "wide"]
 SERVED_NAME = "beam-tiny"
 
 
@@ -68,7 +71,22 @@ def serve_env(tp: int = 1) -> dict[str, str]:
 
 
 def write_checkpoint(out, preset: str, dtype: str, seed: int, fp8: bool):
-    """A tiny Beam; with `fp8`, quantised as the published checkpoint is (compressed-tensors FP8)."""
+    """A tiny Beam; with `fp8`, quantised as the published checkpoint is (compressed-tensors FP8).
+
+    `trained` is the committed tiny trained Beam (`beam_hpu.train_tiny`): it answers, calls tools
+    and copies, so the demo's replies mean something; its weights are fixed (bf16), `seed` and
+    `dtype` do not apply. The other presets are random weights of that seed."""
+    if preset == "trained":
+        import shutil
+
+        from beam_hpu.train_tiny import TRAINED_DIR
+
+        if fp8:
+            from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
+
+            return quantize_checkpoint(TRAINED_DIR, out)
+        shutil.copytree(TRAINED_DIR, out, dirs_exist_ok=True)
+        return Path(out)
     if fp8:
         from beam_hpu.quant.fp8_checkpoint import write_tiny_fp8_checkpoint
 
@@ -86,7 +104,7 @@ def _tiny(args) -> int:
 
 
 def _demo(args) -> int:
-    model_dir = write_checkpoint(args.dir, "small", "bfloat16", 0, args.fp8)
+    model_dir = write_checkpoint(args.dir, args.preset, "bfloat16", 0, args.fp8)
     cmd = serve_command(model_dir, port=args.port, tp=args.tp, ep=args.ep)
     base = f"http://127.0.0.1:{args.port}/v1"
     print(f"tiny Beam checkpoint: {model_dir}\nserving: {' '.join(cmd)}\n"
@@ -105,13 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("tiny", help="write a tiny deterministic Beam checkpoint")
     t.add_argument("dir")
-    t.add_argument("--preset", default="small")
+    t.add_argument("--preset", default="small", choices=["trained", *PRESET_NAMES])
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--fp8", action="store_true", help="compressed-tensors FP8, as the published checkpoint")
     t.set_defaults(func=_tiny)
     d = sub.add_parser("demo", help="write a tiny Beam and serve it with `vllm serve` on CPU")
     d.add_argument("--dir", default=str(DEFAULT_DEMO_DIR))
+    d.add_argument("--preset", default="trained", choices=["trained", *PRESET_NAMES],
+                   help="trained: the committed tiny trained Beam (default); others: random weights")
     d.add_argument("--port", type=int, default=8000)
     d.add_argument("--tp", type=int, default=1)
     d.add_argument("--ep", action="store_true", help="--enable-expert-parallel (use with --tp 2)")

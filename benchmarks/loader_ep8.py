@@ -210,7 +210,8 @@ def main() -> None:
     ap.add_argument("--dense-layers", type=int, default=1)
     ap.add_argument("--moe-layers", type=int, default=1)
     ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=LoaderOptions.num_threads)
+    ap.add_argument("--chunk-mib", type=int, default=LoaderOptions.chunk_mib)
     args = ap.parse_args()
     if not (args.dir / "model.safetensors.index.json").exists():
         t = time.perf_counter()
@@ -226,7 +227,8 @@ def main() -> None:
     raw_s, raw_b = measured(lambda: raw_read(files), files)
     raw_gbs = total / raw_s / 1e9
     print(f"raw sequential read of all shards: {raw_s:.1f} s, {raw_gbs:.3f} GB/s (storage read {raw_b / 1e9:.2f} GB)")
-    options = LoaderOptions(num_threads=args.threads)
+    options = LoaderOptions(num_threads=args.threads, chunk_mib=args.chunk_mib)
+    print(f"loader options: {options}")
     warm_up(args.dir.parent / (args.dir.name + "-warmup"))
     rows = []
     for r in range(args.ranks):
@@ -241,7 +243,7 @@ def main() -> None:
         rep = report[0]
         rows.append((r, stock_s, stock_b, ours_s, ours_b, rep.data_bytes + rep.gap_bytes + rep.header_bytes, same))
         print(f"rank {r}: stock {stock_s:6.1f} s, storage read {stock_b / 1e9:6.2f} GB | ours {ours_s:5.1f} s, "
-              f"storage read {ours_b / 1e9:5.2f} GB, requested {rows[-1][5] / 1e9:5.3f} GB (tensors "
+              f"(plan {rep.plan_seconds:.2f} s) storage read {ours_b / 1e9:5.2f} GB, requested {rows[-1][5] / 1e9:5.3f} GB (tensors "
               f"{rep.data_bytes / 1e9:.3f} + gaps {rep.gap_bytes / 1e9:.3f} + headers {rep.header_bytes / 1e6:.2f} MB), "
               f"{rows[-1][5] / ours_s / 1e9:.3f} GB/s = {rows[-1][5] / ours_s / 1e9 / raw_gbs:.2f}x raw | "
               f"state identical to stock: {same}", flush=True)

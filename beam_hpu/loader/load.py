@@ -30,6 +30,7 @@ class LoadReport:
     tensors_total: int
     checkpoint_bytes: int
     seconds: float
+    plan_seconds: float = 0.0  # headers, probe and completeness check, before the first data read
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -70,6 +71,7 @@ def load_checkpoint(model: torch.nn.Module, directory, options: LoaderOptions | 
     total = sum(n * p.entry.itemsize for p in needed for _, n in p.needed_runs)
     logger.info("beam loader %s: %d of %d tensors needed, %.2f of %.2f GiB, from %d shards", label, len(needed),
                 len(plans), total / 2**30, ckpt.total_bytes / 2**30, len(ckpt.files))
+    plan_seconds = time.perf_counter() - t0
     progress = Progress(label, total, options.progress_percent)
     replay_writes = []
     with RangeReader(ckpt.files, options.num_threads, options.chunk_bytes, options.max_gap_bytes,
@@ -80,7 +82,7 @@ def load_checkpoint(model: torch.nn.Module, directory, options: LoaderOptions | 
     if not all_known:
         check_complete(model, known_writes(plans) + replay_writes, ckpt.directory, optional)
     report = LoadReport(label, data_bytes, gap_bytes, sum(ckpt.header_bytes.values()), calls, len(needed), len(plans),
-                        ckpt.total_bytes, time.perf_counter() - t0)
+                        ckpt.total_bytes, time.perf_counter() - t0, plan_seconds)
     logger.info("beam loader %s: loaded %d tensors, %.2f GiB (+%.2f GiB read across gaps) in %.1f s (%.2f GB/s), "
                 "%d read calls", label, report.tensors_read, data_bytes / 2**30, gap_bytes / 2**30, report.seconds,
                 (data_bytes + gap_bytes) / max(report.seconds, 1e-9) / 1e9, calls)

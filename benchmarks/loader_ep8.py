@@ -248,6 +248,12 @@ def main() -> None:
               f"{rows[-1][5] / ours_s / 1e9:.3f} GB/s = {rows[-1][5] / ours_s / 1e9 / raw_gbs:.2f}x raw | "
               f"state identical to stock: {same}", flush=True)
         del model, stock_state
+    # The disk here is virtual: the host caches what the guest read (posix_fadvise empties only the
+    # guest's cache), so the first raw read can be slower than everything after it. Read again at
+    # the end and take the faster as the limit: the conservative choice for the ratio below.
+    raw2_s, _ = measured(lambda: raw_read(files), files)
+    print(f"raw sequential read again, after the ranks: {raw2_s:.1f} s, {total / raw2_s / 1e9:.3f} GB/s")
+    raw_gbs = max(raw_gbs, total / raw2_s / 1e9)
     stock_total = sum(r[1] for r in rows)
     ours_total = sum(r[3] for r in rows)
     ours_gbs = sum(r[5] for r in rows) / ours_total / 1e9

@@ -7,7 +7,8 @@ ratio of medians is printed. Run: .venv/bin/python benchmarks/decode_vs_qwen3moe
 
 On CPU Beam's RMSNorms run on vLLM-CPU's fused kernels (`beam_hpu/model/cpu_norm.py`) while the
 Qwen3-MoE, vLLM's own model, keeps vLLM's native norms. `--kernel-norms-for-both` patches vLLM's
-RMSNorm in the Qwen3-MoE engine to the same kernels, for a like-for-like figure.
+RMSNorm in the Qwen3-MoE engine to the same kernels, for a like-for-like figure (both engines then
+run their engine core in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0, so the patch reaches the model).
 """
 
 import argparse
@@ -72,8 +73,10 @@ if __name__ == "__main__":
 """
 
 
-def decode_rate(model: Path, n_tokens: int, streams: int, kernel_norms: bool = False) -> float:
+def decode_rate(model: Path, n_tokens: int, streams: int, kernel_norms: bool = False, in_process: bool = False) -> float:
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(REPO))
+    if in_process:  # the engine core in this process, where the norm patch is applied
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     extra = ["kernel-norms"] if kernel_norms else []
     out = subprocess.run([sys.executable, "-c", ENGINE, str(model), str(n_tokens), str(streams), *extra],
                          env=env, capture_output=True, text=True, check=True).stdout
@@ -100,7 +103,8 @@ def main():
             for _ in range(args.rounds):
                 for name, path in (("beam", beam), ("qwen3moe", qwen)):
                     rates[name].append(decode_rate(path, args.tokens, streams,
-                                                   name == "qwen3moe" and args.kernel_norms_for_both))
+                                                   name == "qwen3moe" and args.kernel_norms_for_both,
+                                                   in_process=args.kernel_norms_for_both))
             b, q = statistics.median(rates["beam"]), statistics.median(rates["qwen3moe"])
             norms = "kernel norms in both" if args.kernel_norms_for_both else "qwen3-moe with vLLM's native norms"
             print(f"streams={streams} tokens/stream={args.tokens} rounds={args.rounds} ({norms}): "

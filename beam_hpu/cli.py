@@ -111,7 +111,7 @@ def _demo(args) -> int:
           f"try, once it says 'Application startup complete':\n"
           f"  curl {base}/models\n"
           f"  curl {base}/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{SERVED_NAME}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hello\"}}], "
+          f"-d '{{\"model\": \"{SERVED_NAME}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Repeat after me: Paris\"}}], "
           f"\"max_tokens\": 32}}'", flush=True)
     if args.print_only:
         return 0

@@ -97,6 +97,10 @@ def write_checkpoint(out, preset: str, dtype: str, seed: int, fp8: bool):
 
 
 def _tiny(args) -> int:
+    if args.preset == "trained" and (args.dtype != "bfloat16" or args.seed != 0):
+        # The trained weights are fixed; a silently different checkpoint would be worse than a refusal.
+        raise SystemExit("beam-hpu tiny: --preset trained writes the committed bf16 weights; "
+                         "--dtype and --seed do not apply (leave them at bfloat16 / 0)")
     out = write_checkpoint(args.dir, args.preset, args.dtype, args.seed, args.fp8)
     kind = "FP8" if args.fp8 else args.dtype
     print(f"wrote tiny Beam ({args.preset}, {kind}, seed {args.seed}) to {out}")

@@ -51,3 +51,13 @@ def test_demo_print_only_names_the_recipe_flags(tmp_path):
 
     weights = "model-00001-of-00001.safetensors"
     assert (tmp_path / "d" / weights).read_bytes() == (TRAINED_DIR / weights).read_bytes()
+
+
+def test_tiny_trained_refuses_dtype_and_seed_it_cannot_honour(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "beam_hpu.cli", "tiny", str(tmp_path / "t"), "--preset", "trained",
+                           "--dtype", "float32"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "--dtype and --seed do not apply" in proc.stderr
+    assert not (tmp_path / "t").exists()  # nothing half-written
+    ok = subprocess.run([sys.executable, "-m", "beam_hpu.cli", "tiny", str(tmp_path / "t"), "--preset", "trained"],
+                        capture_output=True, text=True, check=True)
+    assert "wrote tiny Beam (trained" in ok.stdout and (tmp_path / "t" / "config.json").exists()

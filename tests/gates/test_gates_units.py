@@ -138,3 +138,72 @@ def test_perplexity_gate_from_a_stored_reference_file_passes_same_and_fails_pert
     assert same.passed, same.result
     bad = perplexity.run(_ModelEndpoint(model, noise=1.0), get_profile("gaudi"), reference_file=ref_file)
     assert not bad.passed, bad.result
+
+
+class _CorruptAt(_ModelEndpoint):
+    """A server whose prompt logprobs are wrong at the given positions only (the true token's
+    logprob lowered by 3 nats, the top token swapped for it)."""
+
+    def __init__(self, model, positions):
+        super().__init__(model)
+        self.positions = set(positions)
+
+    def prompt_top(self, ids, k):
+        out = super().prompt_top(ids, k)
+        for i in self.positions:
+            lps, top = out[i]
+            lps = dict(lps)
+            lps[ids[i]] -= 3.0
+            out[i] = (lps, ids[i] + 1 if top == ids[i] else top)
+        return out
+
+
+def test_perplexity_gate_counts_only_the_scored_positions(tmp_path):
+    from beam_hpu.gates import perplexity
+    from beam_hpu.reference import load_oracle
+    from beam_hpu.tiny import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "small", dtype="float32")
+    ids = list(range(8, 48))
+    scored = [False] * 20 + [True] * 20
+    ref_file = tmp_path / "ref.json"
+    fp32 = get_profile("gaudi", reference_dtype="float32")  # the stand-in server below computes in fp32
+    perplexity.write_reference_file(ckpt, {"half": (ids, scored)}, ref_file, fp32, k=10)
+    stored = json.loads(ref_file.read_text())["passages"][0]
+    assert stored["scored"] == [int(x) for x in scored]
+    model = load_oracle(ckpt, torch.float32)
+    unscored_wrong = perplexity.run(_CorruptAt(model, range(1, 20)), get_profile("gaudi"), reference_file=ref_file)
+    assert unscored_wrong.passed, unscored_wrong.result
+    assert unscored_wrong.details["passages"][0]["scored"] == 20
+    scored_wrong = perplexity.run(_CorruptAt(model, [25, 30]), get_profile("gaudi"), reference_file=ref_file)
+    assert not scored_wrong.passed, scored_wrong.result
+    with pytest.raises(ValueError, match="position 0"):
+        perplexity.write_reference_file(ckpt, {"bad": (ids, [True] * len(ids))}, ref_file, fp32)
+
+
+def test_cpu_passages_score_what_the_tiny_model_was_trained_to_predict():
+    """Copy passages are scored on the repeat (after its first token), conversations on the
+    assistant turns: the scored tokens are exactly the copied half / the assistant's text."""
+    from transformers import AutoTokenizer
+
+    from beam_hpu.gates import perplexity
+    from beam_hpu.train_tiny import TRAINED_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(TRAINED_DIR))
+
+    class Local:
+        def tokenize(self, text):
+            return tok(text, add_special_tokens=False).input_ids
+
+    profile = get_profile("cpu")
+    passages = perplexity.cpu_passages(Local(), profile, TRAINED_DIR)
+    assert len(passages) == len(profile.ppl_passage_tokens) + len(profile.ppl_conversations)
+    for n in profile.ppl_passage_tokens:
+        ids, scored = passages[f"copy-{n}"]
+        half = len(ids) // 2
+        assert ids[:half] == ids[half:2 * half] and not any(scored[:half + 1]) and all(scored[half + 1:])
+    ids, scored = passages["tools-0"]
+    assert not scored[0] and 0 < sum(scored) < len(ids)
+    text = tok.decode([t for t, s in zip(ids, scored) if s])
+    assert "<|call|>" in text or "<|return|>" in text  # the assistant's turn end is predicted
+    assert "get_" not in tok.decode([t for t, s in zip(ids, scored) if not s]).split("<|start|>assistant")[-1]

@@ -71,8 +71,9 @@ def reference_passage(model, ids: list[int], k: int, name: str, floor_model=None
         rows_topk.append([[int(a), float(b)] for a, b in zip(t, v)])
     out = {"name": name, "token_ids": ids, "token_logprobs": rows_tok, "top1": rows_top1, "topk": rows_topk}
     if scored is not None:
-        if len(scored) != len(ids) or scored[0]:
-            raise ValueError(f"passage {name}: 'scored' needs one flag per token and none at position 0")
+        if len(scored) != len(ids) or scored[0] or not any(scored):
+            raise ValueError(f"passage {name}: 'scored' needs one flag per token, none at position 0 and "
+                             f"at least one set")
         out["scored"] = [int(bool(x)) for x in scored]
     floor = 1.0
     if floor_model is not None:
@@ -145,10 +146,11 @@ def cpu_passages(ep, profile, tokenizer_dir) -> dict[str, tuple[list[int], list[
         half = filler.ids(n // 2)
         ids = (half + half)[:n]
         out[f"copy-{n}"] = (ids, [False] * (len(half) + 1) + [True] * (len(ids) - len(half) - 1))
-    tasks = Tasks(AutoTokenizer.from_pretrained(str(tokenizer_dir)), max_len=max(profile.ppl_passage_tokens))
+    longest = max(profile.ppl_passage_tokens)
+    tasks = Tasks(AutoTokenizer.from_pretrained(str(tokenizer_dir)), max_len=longest)
     rng = random.Random(profile.seed + 13)
     for j, kind in enumerate(profile.ppl_conversations):
-        ids, trained = getattr(tasks, kind)(rng)
+        ids, trained = (x[:longest] for x in getattr(tasks, kind)(rng))
         # trained[i]: token i is predicted by the model (it was a training target)
         out[f"{kind}-{j}"] = (ids, [False] + list(trained[1:]))
     return out

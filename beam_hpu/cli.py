@@ -17,8 +17,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from beam_hpu.names import LOAD_FORMAT, PARSER
+
 DEFAULT_DEMO_DIR = Path(".beam-hpu/tiny-demo")
-# Random-weight presets of beam_hpu.tiny; "trained" on the command line means the trained weights.
+# Random-weight presets of beam_hpu.tiny.checkpoint; "trained" on the command line means the trained weights.
 PRESET_NAMES = ["small", "wide"]
 SERVED_NAME = "beam-tiny"
 
@@ -54,8 +56,8 @@ def serve_command(model_dir: str | Path, *, port: int = 8000, tp: int = 1, ep: b
     if ep:
         cmd.append("--enable-expert-parallel")
     # The port's loader and parsers, as in the recipe.
-    cmd += ["--load-format", "beam",
-            "--reasoning-parser", "beam", "--enable-auto-tool-choice", "--tool-call-parser", "beam"]
+    cmd += ["--load-format", LOAD_FORMAT,
+            "--reasoning-parser", PARSER, "--enable-auto-tool-choice", "--tool-call-parser", PARSER]
     return cmd + list(extra or [])
 
 
@@ -73,13 +75,13 @@ def serve_env(tp: int = 1) -> dict[str, str]:
 def write_checkpoint(out, preset: str, dtype: str, seed: int, fp8: bool):
     """A tiny Beam; with `fp8`, quantised as the published checkpoint is (compressed-tensors FP8).
 
-    `trained` is the committed tiny trained Beam (`beam_hpu.train_tiny`): it answers, calls tools
+    `trained` is the committed tiny trained Beam (`beam_hpu.tiny.train`): it answers, calls tools
     and copies, so the demo's replies mean something; its weights are fixed (bf16), `seed` and
     `dtype` do not apply. The other presets are random weights of that seed."""
     if preset == "trained":
         import shutil
 
-        from beam_hpu.train_tiny import TRAINED_DIR
+        from beam_hpu.tiny.checkpoint import TRAINED_DIR
 
         if fp8:
             from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
@@ -91,7 +93,7 @@ def write_checkpoint(out, preset: str, dtype: str, seed: int, fp8: bool):
         from beam_hpu.quant.fp8_checkpoint import write_tiny_fp8_checkpoint
 
         return write_tiny_fp8_checkpoint(out, preset, seed=seed)
-    from beam_hpu.tiny import write_tiny_checkpoint
+    from beam_hpu.tiny.checkpoint import write_tiny_checkpoint
 
     return write_tiny_checkpoint(out, preset, dtype=dtype, seed=seed)
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from beam_hpu import reference as R  # noqa: E402
+from beam_hpu.quant import reference as R  # noqa: E402
 from beam_hpu.gates import perplexity as P  # noqa: E402
 from beam_hpu.gates.profile import get_profile  # noqa: E402
 
@@ -47,7 +47,7 @@ def main() -> None:
             checkpoint = Path(sys.argv[1])
         else:
             from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
-            from beam_hpu.train_tiny import TRAINED_DIR
+            from beam_hpu.tiny.checkpoint import TRAINED_DIR
 
             checkpoint = quantize_checkpoint(TRAINED_DIR, Path(d) / "fp8")
         tok = AutoTokenizer.from_pretrained(str(checkpoint))

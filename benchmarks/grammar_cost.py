@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from beam_hpu import synthetic as syn  # noqa: E402
+from beam_hpu.tiny import tasks as syn  # noqa: E402
 from beam_hpu.gates.client import Endpoint  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         url = args.base_url_on if setting == "1" else args.base_url_off
         server = None
         if url is None:
-            from beam_hpu.train_tiny import TRAINED_DIR
+            from beam_hpu.tiny.checkpoint import TRAINED_DIR
             from tests.support.server import Server
 
             server = Server(args.model_dir or TRAINED_DIR, env={"VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT": setting})

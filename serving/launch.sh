@@ -5,8 +5,8 @@
 #
 # MODEL is the checkpoint directory or hub id. COOKBOOK is where the image holds this repository
 # (default /opt/gaudi-cookbook). The env block and flags are the recipe's, value for value:
-# tests/unit/test_serving.py checks them against serving/recipe.yaml and the published recipe.
-# The port refuses at startup what the recipe says not to do (beam_hpu/envs.py check_startup).
+# tests/serving/test_serving.py checks them against serving/recipe.yaml and the published recipe.
+# The port refuses at startup what the recipe says not to do (beam_hpu/settings/guards.py check_startup).
 set -euo pipefail
 
 if [ "$#" -lt 1 ]; then

@@ -118,7 +118,7 @@ def recipe_flags(recipe: dict) -> dict[str, str | bool]:
 
 
 def flags_as_vllm_args(flags: dict[str, str | bool]) -> dict[str, object]:
-    """Flags under vLLM's argument names, numbers as ints, for `beam_hpu.envs.check_startup`."""
+    """Flags under vLLM's argument names, numbers as ints, for `beam_hpu.settings.guards.check_startup`."""
     args: dict[str, object] = {}
     for flag, value in flags.items():
         name = flag.lstrip("-").replace("-", "_")

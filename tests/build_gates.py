@@ -149,7 +149,7 @@ def gate_registrations() -> str:
 
 
 def gate_config() -> str:
-    from beam_hpu.config import beam_config_class, validate_beam_config
+    from beam_hpu.model.config import beam_config_class, validate_beam_config
 
     fields = {k: v for k, v in PUBLISHED_CONFIG.items() if k != "model_type"}
     cfg = beam_config_class()(**fields)
@@ -170,7 +170,7 @@ def gate_template_and_parsers() -> str:
     from vllm.parser import ParserManager
 
     import beam_hpu.parsers
-    from beam_hpu.tiny import write_tokenizer
+    from beam_hpu.tiny.checkpoint import write_tokenizer
 
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -211,7 +211,8 @@ def gate_template_and_parsers() -> str:
 
 
 def gate_switches() -> str:
-    from beam_hpu.envs import SWITCHES, check_startup, read_switches
+    from beam_hpu.settings.guards import check_startup
+    from beam_hpu.settings.switches import SWITCHES, read_switches
     from serving.recipe import flags_as_vllm_args, load_recipe, recipe_flags
 
     here = read_switches(os.environ)

@@ -1,6 +1,19 @@
-import pytest
+"""Tiny checkpoints shared across rooms, each written once per session (per xdist worker)."""
 
-from beam_hpu.tiny import write_tiny_checkpoint
+import os
+
+import pytest
+import torch
+
+from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint, write_tiny_fp8_checkpoint
+from beam_hpu.tiny.checkpoint import CONDITIONED_POST_NORM_GAIN, write_tiny_checkpoint
+
+PRESET, SEED = "small", 0
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One worker per core (`-n 2`): a worker's own torch work (the transformers oracle, training
+    # steps) stays on one thread instead of both workers contending for both cores.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +31,23 @@ def tiny_bf16(tmp_path_factory):
 def tiny_wide_fp32(tmp_path_factory):
     """A second shape: window 24, 8 query heads per 2 KV heads, 16 experts in 8 groups, top-4."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-wide-fp32"), "wide", dtype="float32", seed=1)
+
+
+# FP8 pairs, used by the quant and CPU-expert rooms
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(bf16 tiny Beam, its FP8 checkpoint) as `write_tiny_fp8_checkpoint` writes them."""
+    root = tmp_path_factory.mktemp("tiny")
+    bf16 = write_tiny_checkpoint(root / "bf16", PRESET, seed=SEED)
+    return bf16, write_tiny_fp8_checkpoint(root / "fp8", PRESET, seed=SEED)
+
+
+@pytest.fixture(scope="session")
+def conditioned_pair(tmp_path_factory):
+    """(bf16, FP8) of the same tiny Beam with post-norm gains scaled to tame routing chaos
+    (`beam_hpu.tiny.CONDITIONED_POST_NORM_GAIN` says why): the model the accuracy tests measure."""
+    root = tmp_path_factory.mktemp("conditioned")
+    bf16 = write_tiny_checkpoint(root / "bf16", PRESET, seed=SEED, post_norm_gain=CONDITIONED_POST_NORM_GAIN)
+    return bf16, quantize_checkpoint(bf16, root / "fp8")

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import random
 
-from beam_hpu import synthetic as syn
+from beam_hpu.parsers.template import CONTROL_TOKEN_RE, bundled_template
+from beam_hpu.tiny import tasks as syn
 
-MARKUP = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>",
-          "<|endoftext|>", "<rfl:parameter")
+# A tool-call parameter opener, as the published response template frames it.
+PARAMETER_OPENER = bundled_template().parameter_begin[0].split(" ")[0]
 
 
 def has_markup(text: str) -> bool:
-    return any(m in (text or "") for m in MARKUP)
+    """Whether text meant for the client still carries Beam's markup (a control token, or a
+    tool-call parameter) that the parsers should have taken out."""
+    text = text or ""
+    return bool(CONTROL_TOKEN_RE.search(text)) or PARAMETER_OPENER in text
 
 
 class Filler:

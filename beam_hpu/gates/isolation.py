@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-from beam_hpu import synthetic as syn
+from beam_hpu.tiny import tasks as syn
 from beam_hpu.gates.client import assembled
 from beam_hpu.gates.common import Filler, user
 from beam_hpu.gates.result import GateResult

@@ -1,7 +1,7 @@
 """Perplexity, top-1 agreement and KL of the server's `prompt_logprobs` against the reference.
 
 Reference, per passage (token ids fixed in advance):
-  - live (CPU, `--reference-checkpoint DIR`): the per-token FP8 reference of `beam_hpu.reference`
+  - live (CPU, `--reference-checkpoint DIR`): the per-token FP8 reference of `beam_hpu.quant.reference`
     for an FP8 checkpoint, transformers' Beam for an unquantised one, computed at the profile's
     `reference_dtype` (the server's precision, bf16). The top-1 floor is what a second model
     reaches against that reference: for FP8, transformers' Beam with the weights dequantised
@@ -20,9 +20,9 @@ Reference file format (`beam-gates-reference/1`), JSON:
   every position of natural text. The tiny trained Beam (CPU profile) is scored where it was
   trained to predict: the repeat of a copy passage, the assistant turns of a conversation. Its
   other positions (random filler, prompts) were never trained, its outputs there are arbitrary, and
-  FP8 activation rounding makes them chaotic (measured, benchmarks/fp8_perplexity_noise_floor.py:
-  the FP8 reference alone moves by up to 4.4% in perplexity and KL 0.035 between bf16 and fp32
-  over all positions of the CPU passages; by at most 0.26% and KL 0.0008 over the scored ones).
+  FP8 activation rounding makes them chaotic: there the reference moves by several times the bars
+  between bf16 and fp32, on the scored positions by a fraction of them
+  (benchmarks/fp8_perplexity_noise_floor.py prints both; README, "Gate calibration").
 
 Gates, per passage: |perplexity change| <= ppl_rel; top-1 >= floor - top1_margin; mean KL <= kl.
 KL is computed from top-k lists (the server returns at most `--max-logprobs`, 20 by default):
@@ -59,7 +59,7 @@ def scored_positions(ref: dict) -> list[int]:
 
 def reference_passage(model, ids: list[int], k: int, name: str, floor_model=None,
                       scored: list[bool] | None = None) -> dict:
-    from beam_hpu.reference import next_token_logprobs
+    from beam_hpu.quant.reference import next_token_logprobs
 
     lp = next_token_logprobs(model, ids)  # [len, vocab]: next token after position i
     rows_tok, rows_top1, rows_topk = [None], [None], [None]
@@ -92,7 +92,7 @@ def live_reference(checkpoint: str | Path, passages: dict, k: int, profile) -> d
     """`passages`: name -> token ids, or name -> (token ids, scored flags)."""
     import torch
 
-    from beam_hpu.reference import _quantization_config, load_oracle, load_reference
+    from beam_hpu.quant.reference import _quantization_config, load_oracle, load_reference
 
     checkpoint = Path(checkpoint)
     fp8 = _quantization_config(checkpoint) is not None
@@ -100,7 +100,7 @@ def live_reference(checkpoint: str | Path, passages: dict, k: int, profile) -> d
     other = torch.float32 if dtype != torch.float32 else torch.bfloat16
     model = load_reference(checkpoint, dtype=dtype) if fp8 else load_oracle(checkpoint, dtype)
     floor_model = load_oracle(checkpoint, dtype if fp8 else other)
-    name = "per-token FP8 reference (beam_hpu.reference)" if fp8 else "transformers Beam"
+    name = "per-token FP8 reference (beam_hpu.quant.reference)" if fp8 else "transformers Beam"
     return {"format": FORMAT, "model": str(checkpoint), "reference": f"{name}, {profile.reference_dtype}",
             "topk": k, "gates": {"ppl_rel": profile.ppl_rel_gate, "kl": profile.kl_gate,
                                  "top1_margin": profile.top1_margin},
@@ -135,10 +135,10 @@ def cpu_passages(ep, profile, tokenizer_dir) -> dict[str, tuple[list[int], list[
     - copy passages (profile.ppl_passage_tokens long): filler, then the same filler again, scored
       on the repeat after its first token;
     - conversations in Beam's chat format (profile.ppl_conversations: kinds of
-      `beam_hpu.train_tiny.Tasks`, seeded), scored on the assistant turns."""
+      `beam_hpu.tiny.train.Tasks`, seeded), scored on the assistant turns."""
     from transformers import AutoTokenizer
 
-    from beam_hpu.train_tiny import Tasks
+    from beam_hpu.tiny.train import Tasks
 
     filler = Filler(ep, profile.pieces(), profile.seed + 11)
     out = {}

@@ -14,7 +14,7 @@ import json
 
 import jsonschema
 
-from beam_hpu import synthetic as syn
+from beam_hpu.tiny import tasks as syn
 from beam_hpu.gates.client import assembled
 from beam_hpu.gates.common import has_markup, user
 from beam_hpu.gates.result import GateResult

@@ -70,9 +70,7 @@ def apply_token_bitmask(
 
 
 def device_mask_enabled(env=None) -> bool:
-    """BEAM_GRAMMAR_DEVICE_MASK (beam_hpu.envs): whether the runner patch masks on the device."""
-    import os
+    """BEAM_GRAMMAR_DEVICE_MASK (beam_hpu.settings.switches): whether the runner patch masks on the device."""
+    from beam_hpu.settings import switches
 
-    from beam_hpu.envs import read_switch
-
-    return bool(read_switch("BEAM_GRAMMAR_DEVICE_MASK", os.environ if env is None else env))
+    return bool(switches.current("BEAM_GRAMMAR_DEVICE_MASK", env))

@@ -8,7 +8,8 @@ tensor) -> plan (all tensors, completeness) -> place + reader (bytes into parame
 
 from __future__ import annotations
 
-LOAD_FORMAT = "beam"
+from beam_hpu.names import LOAD_FORMAT
+
 _registered = False
 
 

@@ -24,6 +24,7 @@ DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # A header larger than this is not a safetensors header (the format caps it at 100 MB).
 MAX_HEADER_BYTES = 100_000_000
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 from vllm.config import ModelConfig
@@ -11,6 +9,7 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from beam_hpu.loader.load import load_checkpoint
+from beam_hpu.loader.location import local_checkpoint_dir
 from beam_hpu.loader.options import LoaderOptions
 
 
@@ -38,11 +37,12 @@ class BeamModelLoader(BaseModelLoader):
 
     @staticmethod
     def checkpoint_dir(model_config: ModelConfig) -> str:
-        path = model_config.model
-        if not os.path.isdir(path):
-            raise ValueError(f"--load-format beam reads a local checkpoint directory; {path!r} is not one "
-                             f"(download it first, e.g. `hf download`)")
-        return path
+        path = local_checkpoint_dir(model_config.model, model_config.revision)
+        if path is None:
+            raise ValueError(f"--load-format beam reads a checkpoint on this host; {model_config.model!r} is "
+                             f"neither a directory nor in the local Hugging Face cache (download it first, "
+                             f"e.g. `hf download`)")
+        return str(path)
 
     def download_model(self, model_config: ModelConfig) -> None:
         self.checkpoint_dir(model_config)

@@ -53,8 +53,9 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from beam_hpu.config import validate_beam_config
-from beam_hpu.model.cpu_norm import beam_rms_norm
+from beam_hpu.cpu.fused_norm import beam_rms_norm
+from beam_hpu.model.config import validate_beam_config
+from beam_hpu.model.ops import swiglu_fp32
 
 # SSMax for NoPE layers: queries at position p are scaled by (1 + (p + 1) / L) ** power. These two
 # constants are not in config.json (transformers and llama.cpp hard-code them the same way).
@@ -77,12 +78,6 @@ def depth_scaled_norm_eps(eps: float, add_index: int) -> float:
     every other vLLM decoder, instead of three extra element-wise ops per add.
     """
     return eps * add_index
-
-
-def swiglu_fp32(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> [T, I]. Beam evaluates the SwiGLU activation and product in fp32."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
 
 
 class BeamMLP(nn.Module):

@@ -3,12 +3,13 @@ grammar, all derived from the checkpoint's `response_template` (template.py).
 
 Modules: template (the format), messages (the output reader), arguments (typed argument JSON),
 reasoning / tools (the two vLLM parsers), grammar (the structural tag), request (the request
-adjustment that installs the grammar from the first token), switches (VLLM_BEAM_* flags).
+adjustment that installs the grammar from the first token). The VLLM_BEAM_* switches they read
+are in `beam_hpu.settings.switches`; the bundled `response_template.json` is the published one.
 """
 
 from __future__ import annotations
 
-NAME = "beam"
+from beam_hpu.names import PARSER as NAME
 REASONING_PARSER = ("beam_hpu.parsers.reasoning", "BeamReasoningParser")
 TOOL_PARSER = ("beam_hpu.parsers.tools", "BeamToolParser")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from beam_hpu.parsers.template import CONTROL_TOKEN_RE, ResponseTemplate
+from beam_hpu.parsers.template import CONTROL_TOKEN_PREFIX, CONTROL_TOKEN_RE, ResponseTemplate
 
 
 @dataclass
@@ -157,7 +157,7 @@ class MessageStream:
             )
         )
         self.closers = t.closers()
-        self.message_token = "<|message|>" if "<|message|>" in t.control_tokens else t.control_tokens[0]
+        self.message_token = t.header_end
 
     # -- feeding
 
@@ -226,7 +226,7 @@ class MessageStream:
         if not stripped:
             self.buf = ""
             return False
-        j = stripped.find("<|", 1)
+        j = stripped.find(CONTROL_TOKEN_PREFIX, 1)
         j = len(stripped) if j < 0 else j
         out.append(Event("stray", stripped[:j]))
         self.buf = stripped[j:]

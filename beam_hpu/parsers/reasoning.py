@@ -111,9 +111,9 @@ class BeamReasoningParser(ReasoningParser):
         return self._control_ids.get(ids[i])
 
     def _header(self, ids: Sequence[int], start: int) -> tuple[str, bool]:
-        """The header text from `start` up to and with `<|message|>`, and whether it is complete."""
+        """The header text from `start` up to and with its end token, and whether it is complete."""
         end = start
-        while end < len(ids) and self._kind(ids, end) != "<|message|>":
+        while end < len(ids) and self._kind(ids, end) != self.template.header_end:
             end += 1
         return self.model_tokenizer.decode(list(ids[start : end + 1])), end < len(ids)
 
@@ -123,8 +123,8 @@ class BeamReasoningParser(ReasoningParser):
         generation anchor, and for a turn that is not the assistant's. Works on the prompt, on
         prompt + output, and on the output alone (its first message follows the prompt's anchor)."""
         ids, closers = input_ids, self.template.closers()
-        role = self.template.anchor[len("<|start|>") :]
-        starts = [i for i in range(len(ids)) if self._kind(ids, i) == "<|start|>"]
+        role = self.template.anchor_role
+        starts = [i for i in range(len(ids)) if self._kind(ids, i) == self.template.anchor_token]
         begin = 0
         if starts:
             s = starts[-1]
@@ -154,7 +154,7 @@ class BeamReasoningParser(ReasoningParser):
         """Tokens in the body of the output's thinking message."""
         if not self.thinking:
             return 0
-        message = next((i for i, t in enumerate(token_ids) if self._control_ids.get(t) == "<|message|>"), None)
+        message = next((i for i, t in enumerate(token_ids) if self._control_ids.get(t) == self.template.header_end), None)
         if message is None:
             return 0
         kind, _ = self.template.classify_header(self.model_tokenizer.decode(list(token_ids[: message + 1])))

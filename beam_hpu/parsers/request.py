@@ -21,8 +21,8 @@ import logging
 
 from beam_hpu.parsers.arguments import tool_parameter_schemas
 from beam_hpu.parsers.grammar import ResponseGrammar
-from beam_hpu.parsers.switches import ALWAYS_CONSTRAIN_OUTPUT, switch_on
 from beam_hpu.parsers.template import ResponseTemplate
+from beam_hpu.settings import switches
 
 logger = logging.getLogger("vllm.beam_hpu.parsers")
 
@@ -110,7 +110,7 @@ def constrain_request(request, template: ResponseTemplate, vocab: dict[str, int]
 
     calls_allowed = bool(tools) and tool_choice != "none"  # None = auto, as vLLM reads it
     free_turn = not forced and not (tools and not calls_allowed) and answer_body is None
-    if free_turn and not switch_on(ALWAYS_CONSTRAIN_OUTPUT):
+    if free_turn and not switches.current("VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT"):
         return request
 
     callable_tools = {named: tools[named]} if named else (tools if calls_allowed else {})

@@ -1,7 +1,7 @@
 """Beam's response template: the one source of truth for the output format.
 
 The checkpoint describes its own output format as data (`tokenizer_config.json["response_template"]`,
-see `beam_hpu/data/response_template.json`). Everything format-specific in the parsers and the
+`response_template.json` next to this file is the published one). Everything format-specific in the parsers and the
 grammar is derived here from that object: the start anchor, the openers (regexes expanded to their
 literal forms), the closers, the control tokens, and the `<rfl:parameter>` framing.
 
@@ -20,13 +20,17 @@ from functools import lru_cache
 from pathlib import Path
 
 # The layout of a value inside `<rfl:parameter name="k">` ... `</rfl:parameter>` and between
-# parameters, as `beam_hpu/data/chat_template.jinja` renders it.
+# parameters, as the chat template renders it (`beam_hpu/tiny/data/chat_template.jinja` for the tiny Beam).
 VALUE_PREFIX = "\n"
 VALUE_SUFFIX = "\n"
 PARAMETER_SEPARATOR = "\n"
 
 REQUIRED_FIELDS = ("thinking", "content", "tool_calls")
 CONTROL_TOKEN_RE = re.compile(r"<\|[a-z_]+\|>")
+CONTROL_TOKEN_PREFIX = "<|"  # every control token begins so
+# The published checkpoint's response_template (the Beam format as data), for code that has no
+# checkpoint at hand: the tiny checkpoints, the gate suite.
+BUNDLED_TEMPLATE = Path(__file__).with_name("response_template.json")
 
 
 class ResponseTemplateError(ValueError):
@@ -101,9 +105,16 @@ class ResponseTemplate:
     parameter_end: str
     strip_values: bool
     control_tokens: tuple[str, ...]
+    anchor_token: str  # the control token the anchor starts with (`<|start|>`)
+    header_end: str  # the control token that ends every message header (`<|message|>`)
 
     # -- openers as written at the start of the output (the prompt already holds the anchor) and
     # -- after an earlier message (anchor written by the model)
+
+    @property
+    def anchor_role(self) -> str:
+        """The anchor after its control token: the role every output message is written as."""
+        return self.anchor[len(self.anchor_token):]
 
     def first_opener(self, opener: str) -> str:
         return opener[len(self.anchor) :] if opener.startswith(self.anchor) else opener
@@ -192,10 +203,24 @@ def parse_response_template(raw: dict) -> ResponseTemplate:
         parameter_end=parameter_end,
         strip_values=bool((value_parser.get("args") or {}).get("strip", False)),
         control_tokens=(),
+        anchor_token="",
+        header_end="",
     )
     literal_text = json.dumps([anchor, *t.thinking_openers, *t.content_openers, *call_openers, *t.closers()])
     controls = tuple(dict.fromkeys(CONTROL_TOKEN_RE.findall(literal_text)))
-    return ResponseTemplate(**{**t.__dict__, "control_tokens": controls})
+    anchor_token = CONTROL_TOKEN_RE.match(anchor)
+    if anchor_token is None:
+        raise ResponseTemplateError(f"start_anchor_pattern {anchor!r}: the anchor must begin with a control token")
+    header_ends = {CONTROL_TOKEN_RE.findall(o)[-1] if CONTROL_TOKEN_RE.search(o) else None
+                   for o in (*t.thinking_openers, *t.content_openers, *call_openers)}
+    if len(header_ends) != 1 or None in header_ends:
+        raise ResponseTemplateError(f"every opener must end its header with the same control token; got {header_ends}")
+    return ResponseTemplate(**{**t.__dict__, "control_tokens": controls, "anchor_token": anchor_token.group(),
+                               "header_end": header_ends.pop()})
+
+
+def bundled_template() -> ResponseTemplate:
+    return _parse_cached(json.dumps(json.loads(BUNDLED_TEMPLATE.read_text()), sort_keys=True))
 
 
 @lru_cache(maxsize=8)

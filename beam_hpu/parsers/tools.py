@@ -30,8 +30,8 @@ from vllm.tool_parsers.abstract_tool_parser import ToolParser
 from beam_hpu.parsers.arguments import CallArguments, tool_parameter_schemas
 from beam_hpu.parsers.messages import Event, MessageStream
 from beam_hpu.parsers.request import constrain_request, thinking_enabled
-from beam_hpu.parsers.switches import STREAM_TOOL_ARGS, switch_on
 from beam_hpu.parsers.template import response_template_of
+from beam_hpu.settings import switches
 
 logger = logging.getLogger("vllm.beam_hpu.parsers")
 
@@ -117,7 +117,7 @@ class BeamToolParser(ToolParser):
         self.template = response_template_of(tokenizer)
         self.schemas = tool_parameter_schemas(self.tools)
         self._stream = MessageStream(self.template, prelude_is_content=True)
-        self._calls = _Calls(self.schemas, switch_on(STREAM_TOOL_ARGS))
+        self._calls = _Calls(self.schemas, switches.current("VLLM_BEAM_STREAM_TOOL_ARGS"))
 
     def adjust_request(self, request):
         # Normally the reasoning parser has done this already (then it is a no-op). Without one,

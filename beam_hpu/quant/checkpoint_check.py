@@ -13,12 +13,12 @@ What is checked (`check_fp8_checkpoint`):
   compressed-tensors' `match_quantizable_tensors`) is FP8 e4m3 and has an fp32 `weight_scale`
   of shape [out, 1]; no `weight_scale` belongs to an untargeted module; no `input_scale`
   (activations are dynamic);
-- with `require_portable_scheme` (CPU, where `beam_hpu.quant.portable_fp8_moe` serves experts):
+- with `require_portable_scheme` (CPU, where `beam_hpu.cpu.portable_fp8_moe` serves experts):
   every config group is the published scheme: FP8 channel-symmetric static weights, dynamic
   per-token FP8 activations. On HPU vllm-gaudi's compressed-tensors methods decide which schemes
   they run, so the scheme check is left to them.
 
-`install()` (from `beam_hpu.register()`) runs the check at the start of `BaseModelLoader.load_model`
+The runtime patch `fp8-checkpoint-check` (beam_hpu/patches) runs `check_before_load` at the start of `BaseModelLoader.load_model`
 (before the model is built) for Beam checkpoints with a compressed-tensors config. The default and
 safetensors loaders use that method; a loader that overrides `load_model` (tensorizer) skips it.
 """
@@ -26,12 +26,17 @@ safetensors loaders use that method; a loader that overrides `load_model` (tenso
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+from beam_hpu.loader.checkpoint import DTYPE_NAMES, open_checkpoint
+from beam_hpu.loader.location import local_checkpoint_dir
+from beam_hpu.names import ARCH, LOGGER
 
 PUBLISHED_SCHEME = ("weights: float 8-bit, strategy channel, symmetric, static; "
                     "input_activations: float 8-bit, strategy token, dynamic (compressed-tensors FP8_DYNAMIC)")
 FP8_DTYPE, SCALE_DTYPE = "F8_E4M3", "F32"
-_installed = False
+logger = logging.getLogger(LOGGER)
 
 
 def describe_scheme(scheme) -> str:
@@ -60,15 +65,8 @@ def scheme_problem(scheme) -> str | None:
 
 
 def tensor_headers(checkpoint_dir: Path) -> dict[str, tuple[str, list[int]]]:
-    """name -> (safetensors dtype, shape) for every tensor of every shard, from headers only."""
-    headers = {}
-    for shard in sorted(checkpoint_dir.glob("*.safetensors")):
-        with open(shard, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
-        headers.update({name: (info["dtype"], info["shape"]) for name, info in header.items()})
-    return headers
+    """name -> (safetensors dtype, shape) for every tensor, from the loader's checked headers only."""
+    return {e.name: (DTYPE_NAMES[e.dtype], list(e.shape)) for e in open_checkpoint(checkpoint_dir).tensors.values()}
 
 
 def check_fp8_checkpoint(checkpoint_dir: str | Path, *, require_portable_scheme: bool = True) -> None:
@@ -115,50 +113,19 @@ def check_fp8_checkpoint(checkpoint_dir: str | Path, *, require_portable_scheme:
                              "published scheme quantises activations dynamically per token")
 
 
-def _checkpoint_dir(model_config) -> Path | None:
-    path = Path(model_config.model)
-    if path.is_dir():
-        return path
-    try:  # a hub id: its files, if vLLM (or anyone) already put them in the local cache
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model_config.model, revision=model_config.revision, local_files_only=True))
-    except Exception:
-        return None
-
-
 def check_before_load(model_config) -> None:
     """The check for the model vLLM is about to build, if it is a compressed-tensors Beam."""
     from vllm.platforms import current_platform
 
-    from beam_hpu import ARCH, logger
 
     if ARCH not in (getattr(model_config.hf_config, "architectures", None) or []):
         return
     if model_config.quantization != "compressed-tensors":
         return
-    checkpoint_dir = _checkpoint_dir(model_config)
+    checkpoint_dir = local_checkpoint_dir(model_config.model, model_config.revision)
     if checkpoint_dir is None:
         logger.warning("beam_hpu: FP8 checkpoint check skipped: %s is neither a directory nor in the local "
                        "hub cache", model_config.model)
         return
     # CPU runs FP8 experts on the portable path, which serves the published scheme only.
     check_fp8_checkpoint(checkpoint_dir, require_portable_scheme=current_platform.is_cpu())
-
-
-def install() -> None:
-    """Run `check_before_load` at the start of every vLLM loader's `load_model`. Idempotent."""
-    global _installed
-    if _installed:
-        return
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-
-    stock_load_model = BaseModelLoader.load_model
-
-    def load_model(self, vllm_config, model_config, *args, **kwargs):
-        check_before_load(model_config)
-        return stock_load_model(self, vllm_config, model_config, *args, **kwargs)
-
-    load_model.__wrapped__ = stock_load_model
-    BaseModelLoader.load_model = load_model
-    _installed = True

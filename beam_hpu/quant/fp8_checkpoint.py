@@ -113,12 +113,12 @@ def write_tiny_fp8_checkpoint(
     ignore: list[str] | None = None,
     **overrides,
 ) -> Path:
-    """The tiny Beam of `beam_hpu.tiny` (same preset, seed, tokenizer), quantised to FP8.
+    """The tiny Beam of `beam_hpu.tiny.checkpoint` (same preset, seed, tokenizer), quantised to FP8.
 
     `write_tiny_checkpoint(dir, preset_name, dtype=source_dtype, seed=seed)` gives the unquantised
     model this checkpoint was made from: the bf16 oracle for accuracy checks.
     """
-    from beam_hpu.tiny import write_tiny_checkpoint
+    from beam_hpu.tiny.checkpoint import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="beam-tiny-src-") as src:
         write_tiny_checkpoint(src, preset_name, dtype=source_dtype, seed=seed, num_shards=num_shards, **overrides)
@@ -129,14 +129,14 @@ def dequantize_checkpoint(src: str | Path, out: str | Path, dtype: str = "float3
     """Write the weight-only copy of the FP8 checkpoint `src`: every FP8 weight replaced by
     `fp8 * weight_scale` in `dtype`, no quantization_config. Served, it is the FP8 model with the
     activation quantisation removed (what a dequantise-everything upcast path would compute).
-    compressed-tensors' own dequantiser does the arithmetic, as in `beam_hpu.reference`."""
+    compressed-tensors' own dequantiser does the arithmetic, as in `beam_hpu.quant.reference`."""
     import json
     import shutil
 
     import torch
     from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
 
-    from beam_hpu.tiny import write_shards
+    from beam_hpu.tiny.checkpoint import write_shards
 
     src, out = Path(src), Path(out)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

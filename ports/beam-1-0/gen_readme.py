@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Regenerate the generated sections of ports/beam-1-0/README.md from their one source each:
 
-- switches: beam_hpu.envs.SWITCHES (name, default, description) and FORBIDDEN_ENV
+- switches: beam_hpu.settings.switches.SWITCHES (name, default, description) and
+  beam_hpu.settings.guards.FORBIDDEN_ENV
 - fixes:    the fix profiles' units (name, package, why, remove_when)
 
     python3 ports/beam-1-0/gen_readme.py           # rewrite the sections
@@ -20,7 +21,8 @@ if str(REPO) not in sys.path:
 
 
 def switches_section() -> str:
-    from beam_hpu.envs import FORBIDDEN_ENV, SWITCHES
+    from beam_hpu.settings.guards import FORBIDDEN_ENV
+    from beam_hpu.settings.switches import SWITCHES
 
     out = []
     for switch in SWITCHES.values():

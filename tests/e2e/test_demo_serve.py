@@ -47,7 +47,7 @@ def test_demo_print_only_names_the_recipe_flags(tmp_path):
                  "--max-num-batched-tokens 4096", "--enable-prompt-tokens-details"):
         assert flag in out
     # The demo serves the committed tiny trained Beam by default, byte for byte.
-    from beam_hpu.train_tiny import TRAINED_DIR
+    from beam_hpu.tiny.checkpoint import TRAINED_DIR
 
     weights = "model-00001-of-00001.safetensors"
     assert (tmp_path / "d" / weights).read_bytes() == (TRAINED_DIR / weights).read_bytes()

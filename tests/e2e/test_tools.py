@@ -1,7 +1,7 @@
 """Issue 5, end to end: the recipe's 11 tool cases through a real `vllm serve` (beam parsers, the
 always-on response grammar, streamed tool arguments) with the official openai client.
 
-The model is the tiny *trained* Beam (`beam_hpu/data/trained_tiny`, `beam_hpu.train_tiny`): it was
+The model is the tiny *trained* Beam (`beam_hpu/tiny/data/trained_tiny`, `beam_hpu.tiny.train`): it was
 trained to reason briefly and then answer or call a tool, so its outputs terminate inside the
 grammar. The assertions are the tools gate's (`beam_hpu/gates/tools.py`): structure only (calls
 present when required, the named tool used, none when none, arguments valid against the tool's
@@ -15,7 +15,7 @@ import pytest
 from beam_hpu.gates import tools as gate
 from beam_hpu.gates.client import Endpoint
 from beam_hpu.gates.profile import get_profile
-from beam_hpu.train_tiny import TRAINED_DIR
+from beam_hpu.tiny.checkpoint import TRAINED_DIR
 from tests.support.engines import REPO
 from tests.support.server import Server
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from tiny_llama import make_tiny_llama
 
 from fixes.engine import EXIT_OK, run
 from fixes.profile import load_profile
+from tests.support.parallel import engine_env, free_port
 
 FAULT_RANK_ENV = "BEAM_FIXES_TEST_FAIL_RANK"
 # Fault injection for rank-exception-fatal, appended to the temp copy of the CPU worker only.
@@ -57,10 +57,9 @@ def trees(tmp_path_factory):
             "model": model, "tokenizer_vocab": tokenizer_vocab}
 
 
-def vllm_env(tree: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(tree), VLLM_TARGET_DEVICE="cpu",
-               VLLM_CPU_KVCACHE_SPACE="1", **extra)
-    return env
+def vllm_env(tree: Path, tp: int = 1, **extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(tree), VLLM_TARGET_DEVICE="cpu",
+                VLLM_CPU_KVCACHE_SPACE="1", **engine_env(tp), **extra)
 
 
 DECODE_UNKNOWN_ID = """
@@ -85,12 +84,6 @@ def test_logprobs_decode_guard_function(trees, which):
     else:
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == "[' w0', '']"  # leading space restored
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict | str]:
@@ -183,7 +176,7 @@ def test_rank_exception_fatal_stops_the_engine(trees, tmp_path):
     busy loop, so the step never finishes. That hang is not run here.)"""
     script = tmp_path / "run_tp2.py"
     script.write_text(RUN_TP2)
-    env = vllm_env(trees["patched"], VLLM_CPU_OMP_THREADS_BIND="0|1", **{FAULT_RANK_ENV: "1"})
+    env = vllm_env(trees["patched"], tp=2, **{FAULT_RANK_ENV: "1"})
     result = subprocess.run([sys.executable, str(script), str(trees["model"])], env=env,
                             capture_output=True, text=True, timeout=500, start_new_session=True)
     output = result.stdout + result.stderr

@@ -14,7 +14,7 @@ from beam_hpu.gates import GATES
 from beam_hpu.gates.client import Endpoint
 from beam_hpu.gates.profile import get_profile
 from beam_hpu.gates.run import run_gates
-from beam_hpu.train_tiny import TRAINED_DIR
+from beam_hpu.tiny.checkpoint import TRAINED_DIR
 from tests.support.engines import REPO
 from tests.support.server import Server
 

@@ -1,13 +1,12 @@
-"""Fast checks of the gate suite's pieces and of the training script (no server)."""
+"""Fast checks of the gate suite's pieces (no server)."""
 
 import json
-import math
 import random
 
 import pytest
 import torch
 
-from beam_hpu import synthetic as syn
+from beam_hpu.tiny import tasks as syn
 from beam_hpu.gates.perplexity import coarse_kl
 from beam_hpu.gates.profile import get_profile
 from beam_hpu.gates.result import GateResult, table, write_json
@@ -67,37 +66,11 @@ def test_table_and_json(tmp_path):
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from beam_hpu.tiny import write_tokenizer
+    from beam_hpu.tiny.checkpoint import write_tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     write_tokenizer(d)
     return AutoTokenizer.from_pretrained(str(d))
-
-
-def test_training_prefix_is_deterministic_and_seed_dependent():
-    from beam_hpu.train_tiny import state_digest, train
-
-    a = state_digest(train(3, 3e-3, 0, 160, log_every=0)[0])
-    b = state_digest(train(3, 3e-3, 0, 160, log_every=0)[0])
-    c = state_digest(train(3, 3e-3, 1, 160, log_every=0)[0])
-    assert a == b != c
-
-
-def test_published_state_dict_round_trips_through_the_checkpoint(tmp_path):
-    """Fused transformers experts -> published per-expert names -> transformers again: same logits."""
-    from transformers.models.beam import BeamForCausalLM
-
-    from beam_hpu.tiny import write_tiny_checkpoint
-    from beam_hpu.train_tiny import PRESET, published_state_dict, train
-
-    model, _ = train(1, 3e-3, 0, 160, log_every=0)
-    write_tiny_checkpoint(tmp_path, PRESET, dtype="float32", num_shards=1,
-                          state_dict=published_state_dict(model, torch.float32))
-    back = BeamForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    ids = torch.tensor([list(range(8, 72))])
-    with torch.no_grad():
-        assert torch.allclose(model(input_ids=ids).logits, back(input_ids=ids).logits, atol=1e-5)
-    assert math.isfinite(float(back(input_ids=ids).logits.sum()))
 
 
 class _ModelEndpoint:
@@ -107,7 +80,7 @@ class _ModelEndpoint:
         self.model, self.noise = model, noise
 
     def prompt_top(self, ids, k):
-        from beam_hpu.reference import next_token_logprobs
+        from beam_hpu.quant.reference import next_token_logprobs
 
         lp = next_token_logprobs(self.model, ids)
         if self.noise:
@@ -124,13 +97,17 @@ class _ModelEndpoint:
 
 def test_perplexity_gate_from_a_stored_reference_file_passes_same_and_fails_perturbed(tmp_path):
     from beam_hpu.gates import perplexity
-    from beam_hpu.reference import load_oracle
-    from beam_hpu.tiny import write_tiny_checkpoint
+    from beam_hpu.quant.reference import load_oracle
+    from beam_hpu.tiny.checkpoint import write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "small", dtype="float32")
     passages = {"a": list(range(8, 72)), "b": [9, 10, 11] * 20}
     ref_file = tmp_path / "ref.json"
-    perplexity.write_reference_file(ckpt, passages, ref_file, get_profile("gaudi"), k=10)
+    # Like with like: the stand-in server below computes in fp32, so the reference does too (a bf16
+    # reference against an fp32 server moves this random-weight passage's perplexity by about the
+    # 1% bar, by an amount that depends on the host's bf16 kernels).
+    fp32 = get_profile("gaudi", reference_dtype="float32")
+    perplexity.write_reference_file(ckpt, passages, ref_file, fp32, k=10)
     stored = json.loads(ref_file.read_text())
     assert stored["format"] == perplexity.FORMAT and len(stored["passages"]) == 2
     model = load_oracle(ckpt, torch.float32)
@@ -160,8 +137,8 @@ class _CorruptAt(_ModelEndpoint):
 
 def test_perplexity_gate_counts_only_the_scored_positions(tmp_path):
     from beam_hpu.gates import perplexity
-    from beam_hpu.reference import load_oracle
-    from beam_hpu.tiny import write_tiny_checkpoint
+    from beam_hpu.quant.reference import load_oracle
+    from beam_hpu.tiny.checkpoint import write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "small", dtype="float32")
     ids = list(range(8, 48))
@@ -187,7 +164,7 @@ def test_cpu_passages_score_what_the_tiny_model_was_trained_to_predict():
     from transformers import AutoTokenizer
 
     from beam_hpu.gates import perplexity
-    from beam_hpu.train_tiny import TRAINED_DIR
+    from beam_hpu.tiny.checkpoint import TRAINED_DIR
 
     tok = AutoTokenizer.from_pretrained(str(TRAINED_DIR))
 

@@ -9,7 +9,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import pytest  # noqa: E402
 
-from beam_hpu.tiny import write_tokenizer  # noqa: E402
+from beam_hpu.tiny.checkpoint import write_tokenizer  # noqa: E402
 
 def _tool(name: str, properties: dict, required: list[str], **extra) -> dict:
     parameters = {"type": "object", "properties": properties, "required": required}

@@ -1,4 +1,4 @@
-"""The Beam chat template (beam_hpu/data/chat_template.jinja), rendered by transformers as vLLM
+"""The Beam chat template (beam_hpu/tiny/data/chat_template.jinja), rendered by transformers as vLLM
 does, against hand-written expected prompts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ports/beam-1-0/README.md explains every switch (generated from beam_hpu.envs, so it cannot
+"""ports/beam-1-0/README.md explains every switch (generated from beam_hpu.settings.switches, so it cannot
 drift), every fix and patch, and every flag and variable of the recipe's launch block."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from beam_hpu import envs
+from beam_hpu.settings import switches as envs
 from serving.recipe import parse_launch_block
 
 REPO = Path(__file__).resolve().parents[2]

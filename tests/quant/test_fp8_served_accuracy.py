@@ -20,7 +20,7 @@ import torch
 
 from beam_hpu.quant.fp8_checkpoint import dequantize_checkpoint
 from beam_hpu.quant.metrics import mean_kl, perplexity_change, top1_agreement
-from beam_hpu.reference import load_oracle, load_reference, next_token_logprobs, prompt_logprobs, set_activation_quant
+from beam_hpu.quant.reference import load_oracle, load_reference, next_token_logprobs, prompt_logprobs, set_activation_quant
 from tests.support.engines import run_engine
 
 from .test_fp8_reference import PROMPTS

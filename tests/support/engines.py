@@ -7,16 +7,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.support.parallel import engine_env
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def cpu_env(tp: int = 1) -> dict:
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(REPO))
-    if tp > 1:
-        # These hosts have one NUMA node and 2 cores: vLLM needs explicit per-rank CPU lists.
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-    return env
+    # Explicit per-rank CPU lists: these hosts have one NUMA node and 2 cores, and each xdist
+    # worker's engines get their own (tests/support/parallel.py).
+    return dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(REPO), **engine_env(tp))
 
 
 def run_engine(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="auto", timeout=900, **kw) -> list:

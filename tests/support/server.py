@@ -3,7 +3,6 @@ waited for on /health, stopped (process group) at teardown."""
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -12,12 +11,7 @@ import httpx
 
 from beam_hpu.cli import SERVED_NAME, serve_command, serve_env
 from tests.support.engines import REPO
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.parallel import engine_env, free_port
 
 
 class Server:
@@ -27,7 +21,7 @@ class Server:
         self.model = SERVED_NAME
         self.cmd = serve_command(model_dir, port=self.port, tp=tp, ep=ep, extra=extra)
         full_env = serve_env(tp)
-        full_env["PYTHONPATH"] = str(REPO)
+        full_env.update(engine_env(tp), PYTHONPATH=str(REPO))
         full_env.update(env or {})
         self.log_path = Path(log_path or f"/tmp/beam-hpu-serve-{self.port}.log")
         self.log = open(self.log_path, "w")

@@ -1,0 +1,97 @@
+"""Every runtime patch of vLLM the plugin installs, with its index: target, why, how, when it goes.
+
+Runtime patches change vLLM objects in the running process (source edits of the image's trees
+are fix units instead: `fixes/`, `ports/beam-1-0/patches/`). Each one is a module here whose
+`install()` wraps its targets through `wrap.wrap` (one idempotence guard for all: a mark on the
+wrapper), calling plain functions that live in their rooms and have their own tests.
+`beam_hpu.register()` calls `install_all()`; `tests/patches/test_index.py` checks that what a
+real `register()` wraps is exactly what this index lists.
+
+Registrations through vLLM's own registries (model, `--load-format beam`, parsers) are not
+patches and are not listed here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuntimePatch:
+    name: str
+    module: str  # beam_hpu.patches.<module>, whose install() applies it
+    targets: tuple[str, ...]  # what it wraps, "module.Class.attr"
+    platform: str  # "any", or the only platform it is installed on ("cpu")
+    why: str
+    how: str
+    remove_when: str
+    upstream: str
+
+
+INDEX: tuple[RuntimePatch, ...] = (
+    RuntimePatch(
+        name="startup-guard",
+        module="startup_guard",
+        targets=("vllm.entrypoints.cli.serve.ServeSubcommand.validate",
+                 "vllm.engine.arg_utils.EngineArgs.create_engine_config"),
+        platform="any",
+        why="vLLM 0.30.0 gives a general plugin no hook with the parsed arguments, and the port must "
+            "refuse launches it cannot serve (beam_hpu.settings.guards) before anything starts.",
+        how="Calls guard_serve_args / guard_engine_config before `vllm serve` validates its "
+            "arguments and after an engine resolves its config; only on modules already imported.",
+        remove_when="vLLM offers plugins a validation hook on the parsed arguments.",
+        upstream="none filed",
+    ),
+    RuntimePatch(
+        name="fp8-checkpoint-check",
+        module="fp8_checkpoint_check",
+        targets=("vllm.model_executor.model_loader.base_loader.BaseModelLoader.load_model",),
+        platform="any",
+        why="vLLM checks that every parameter was loaded only for unquantised models: a missing FP8 "
+            "weight_scale serves garbage, a misshapen one fails without the tensor's name.",
+        how="Runs beam_hpu.quant.checkpoint_check.check_before_load (headers only) for compressed-"
+            "tensors Beam checkpoints before the model is built.",
+        remove_when="vLLM's loaders track quantised parameters too (DefaultModelLoader.track_weights_loading).",
+        upstream="none filed",
+    ),
+    RuntimePatch(
+        name="portable-fp8-moe",
+        module="portable_fp8_moe",
+        targets=("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+                 "compressed_tensors_moe.CompressedTensorsMoEMethod.get_moe_method",),
+        platform="any",
+        why="On CPU vLLM has no FP8 MoE backend for per-channel weights with per-token activations "
+            "(`Unsupported FP8 MoE backend: NONE`); on HPU vllm-gaudi's own method is chosen first.",
+        how="Where vLLM's W8A8 FP8 method found backend NONE for the published scheme, returns "
+            "beam_hpu.cpu.portable_fp8_moe.PortableFp8MoEMethod instead.",
+        remove_when="vLLM-CPU ships an FP8 MoE kernel for channel weights and dynamic per-token activations.",
+        upstream="none filed",
+    ),
+    RuntimePatch(
+        name="cpu-expert-parallel",
+        module="cpu_expert_parallel",
+        targets=("vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts.apply",),
+        platform="cpu",
+        why="CPUUnquantizedExperts.apply never passes expert_map to cpu_fused_moe, which then indexes "
+            "local weights with global expert ids (wrong experts, out-of-bounds reads).",
+        how="Maps global top-k ids to local ones (beam_hpu.cpu.expert_parallel.remap_topk_to_local) "
+            "when an expert_map is given; other ranks' slots get weight 0.",
+        remove_when="vLLM's CPU unquantised experts honour expert_map.",
+        upstream="none filed",
+    ),
+)
+
+
+def applies_here(patch: RuntimePatch, platform: str) -> bool:
+    return patch.platform in ("any", platform)
+
+
+def install_all() -> None:
+    """Install every patch of the index that applies to this platform. Idempotent."""
+    from vllm.platforms import current_platform
+
+    platform = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
+    for patch in INDEX:
+        if applies_here(patch, platform):
+            importlib.import_module(f"beam_hpu.patches.{patch.module}").install()

@@ -1,0 +1,181 @@
+"""The launches the port refuses, one small rule each, and how a launch is recognised as Beam's.
+
+`check_startup(env, args)` runs every rule on the process environment and vLLM's parsed arguments
+(a namespace, or a mapping with its attribute names) and raises `StartupError` listing each
+culprit and why; `beam_hpu.patches.startup_guard` calls it from vLLM's own argument checks. Each
+rule is a plain function `(Launch) -> list[str]`: the messages of the refusals it finds, each
+naming the flag or variable. They are the recipe's "What not to do" and the facts of Beam's chat
+template and parsers, so they apply to a Beam launch only (`is_beam_launch`).
+
+Plain functions only: nothing here imports vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from beam_hpu.loader.location import local_checkpoint_dir
+from beam_hpu.names import LOAD_FORMAT, MODEL_TYPE, PARSER
+from beam_hpu.settings.switches import SWITCHES, SwitchError, read_switches
+
+# FusedSDPA with an unbounded workspace ran out of device memory from this much context on.
+FSDPA_WS_UNBOUNDED_LIMIT = 32768
+
+# Variables the port refuses to start with, whatever their value, and why.
+FORBIDDEN_ENV = {
+    "PT_HPU_SDPA_QKV_SLICE_MODE_FWD": (
+        "it switches prefill to FusedSDPA's sliced sliding-window kernel, whose window "
+        "behaviour is not verified for Beam; unset it (vllm-gaudi and the Habana bridge read "
+        "it on their own, so even =0 is refused)"
+    ),
+}
+
+
+class StartupError(RuntimeError):
+    """The launch is one the port refuses; the message names each culprit and why."""
+
+
+def arg(args: Any, name: str) -> Any:
+    if isinstance(args, Mapping):
+        return args.get(name)
+    return getattr(args, name, None)
+
+
+@dataclass(frozen=True)
+class Launch:
+    env: Mapping[str, str]
+    args: Any
+    switches: Mapping[str, Any]  # every switch's value; None for all when one is unreadable
+    device_type: str  # "hpu" or "cpu"
+
+    def arg(self, name: str) -> Any:
+        return arg(self.args, name)
+
+
+def _on_hpu() -> bool:
+    return importlib.util.find_spec("habana_frameworks") is not None
+
+
+# ------------------------------------------------------------------------------------- the rules
+
+
+def forbidden_variables(launch: Launch) -> list[str]:
+    return [f"{name} is set: {reason}" for name, reason in FORBIDDEN_ENV.items() if name in launch.env]
+
+
+def unbounded_fsdpa_workspace(launch: Launch) -> list[str]:
+    if launch.switches["BEAM_FSDPA_WS_GIB"] != 0:
+        return []
+    max_model_len = launch.arg("max_model_len")
+    if max_model_len is None or max_model_len < 0:  # unset or -1/auto: the model's own, 1M for Beam
+        return ["BEAM_FSDPA_WS_GIB=0 without --max-model-len: Beam's native context is far above "
+                f"{FSDPA_WS_UNBOUNDED_LIMIT} tokens, and from {FSDPA_WS_UNBOUNDED_LIMIT} tokens of "
+                "cached context an unbounded FusedSDPA workspace outgrows free device memory "
+                "(NaN logits or a dead engine); set BEAM_FSDPA_WS_GIB=2"]
+    if max_model_len >= FSDPA_WS_UNBOUNDED_LIMIT:
+        return [f"BEAM_FSDPA_WS_GIB=0 with --max-model-len {max_model_len}: from "
+                f"{FSDPA_WS_UNBOUNDED_LIMIT} tokens of cached context an unbounded FusedSDPA "
+                "workspace outgrows free device memory (NaN logits or a dead engine); set "
+                "BEAM_FSDPA_WS_GIB=2"]
+    return []
+
+
+def eager_on_hpu(launch: Launch) -> list[str]:
+    if not launch.arg("enforce_eager") or launch.switches["BEAM_ALLOW_EAGER"] or launch.device_type != "hpu":
+        return []
+    return ["--enforce-eager on HPU: eager decode is bound by host op launches at 0.68 "
+            "tokens/s; drop the flag (--max-cudagraph-capture-size turns the decode graphs "
+            "on) or set BEAM_ALLOW_EAGER=1 to debug"]
+
+
+def mixed_parsers(launch: Launch) -> list[str]:
+    parsers = {"--reasoning-parser": launch.arg("reasoning_parser") or None,
+               "--tool-call-parser": launch.arg("tool_call_parser") or None}
+    chosen = {flag: name for flag, name in parsers.items() if name}
+    if PARSER in chosen.values() and set(chosen.values()) != {PARSER}:
+        named = ", ".join(f"{flag} {name}" for flag, name in chosen.items())
+        return [f"{named}: the beam reasoning and tool parsers share one response-template reader "
+                "and grammar and cannot be mixed with another parser; use beam for both"]
+    if chosen.get("--tool-call-parser") == PARSER and "--reasoning-parser" not in chosen:
+        # Without the reasoning parser vLLM 0.30.0 skips the beam request adjustment for
+        # tool_choice "none": control tokens are then stripped from the text and calls cannot parse.
+        return ["--tool-call-parser beam without --reasoning-parser beam: the beam parsers work as a "
+                "pair (the reasoning parser installs the response grammar and keeps the control "
+                "tokens the tool parser reads); add --reasoning-parser beam"]
+    return []
+
+
+def openai_content_format(launch: Launch) -> list[str]:
+    if launch.arg("chat_template_content_format") != "openai":
+        return []
+    return ["--chat-template-content-format openai: Beam's chat template takes string content, "
+            "so every chat request would fail with HTTP 400; use auto or string"]
+
+
+RULES: list[Callable[[Launch], list[str]]] = [
+    forbidden_variables, unbounded_fsdpa_workspace, eager_on_hpu, mixed_parsers, openai_content_format,
+]
+
+
+def startup_problems(env: Mapping[str, str], args: Any, *, device_type: str | None = None) -> list[str]:
+    """Why this launch must not start, one message per culprit; empty when it may.
+
+    `device_type` defaults to "hpu" when the Habana bridge is importable.
+    """
+    problems = []
+    try:
+        switches = read_switches(env)
+    except SwitchError as e:
+        problems.append(str(e))
+        switches = {name: None for name in SWITCHES}
+    launch = Launch(env, args, switches, device_type or ("hpu" if _on_hpu() else "cpu"))
+    for rule in RULES:
+        problems += rule(launch)
+    return problems
+
+
+def check_startup(env: Mapping[str, str], args: Any, *, device_type: str | None = None) -> dict[str, Any]:
+    """Refuse a launch the port does not support; return the switches' values when it may start."""
+    problems = startup_problems(env, args, device_type=device_type)
+    if problems:
+        raise StartupError("the Beam port refuses to start:\n" + "\n".join(f"- {p}" for p in problems))
+    return read_switches(env)
+
+
+# ------------------------------------------------------------------- which launches are Beam's
+
+
+def _model_type_on_disk(model: str | None) -> str | None:
+    """`model_type` from the model's config.json when its files are on this host; else None."""
+    directory = local_checkpoint_dir(model)
+    try:
+        return json.loads((directory / "config.json").read_text()).get("model_type")
+    except (TypeError, OSError, ValueError, AttributeError):
+        return None
+
+
+def is_beam_launch(args: Any) -> bool:
+    """A launch the guards apply to: a Beam checkpoint, or the port's parsers or loader."""
+    if PARSER in (arg(args, "reasoning_parser"), arg(args, "tool_call_parser")):
+        return True
+    if arg(args, "load_format") == LOAD_FORMAT:
+        return True
+    return _model_type_on_disk(arg(args, "model") or arg(args, "model_tag")) == MODEL_TYPE
+
+
+def guard_serve_args(args: Any) -> None:
+    """The `vllm serve` check: refuse a Beam launch the port does not support."""
+    if is_beam_launch(args):
+        check_startup(os.environ, args)
+
+
+def guard_engine_config(engine_args: Any, config: Any) -> None:
+    """The engine-start check, once the model's config is resolved."""
+    hf_config = getattr(getattr(config, "model_config", None), "hf_config", None)
+    if getattr(hf_config, "model_type", None) == MODEL_TYPE or is_beam_launch(engine_args):
+        check_startup(os.environ, engine_args)

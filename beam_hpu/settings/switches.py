@@ -1,0 +1,209 @@
+"""Every switch of the Beam port in one place: default, parser, description; and its one reader.
+
+Each switch has a default (the value the verified recipe runs with, so a launch without the env
+block behaves like the recipe), a parser that refuses anything it does not understand with an
+error naming the variable, and a one-paragraph description; the port README is generated from,
+and checked against, these descriptions. Code that acts on a switch reads it with `current()`
+(per call: tests and benchmarks flip switches inside one process); the launch guards
+(`beam_hpu.settings.guards`) read them all at once with `read_switches()`.
+
+Plain functions only: nothing here imports vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Query buckets grow in steps of the KV block size (128 on HPU); a tile that is a multiple of it
+# splits every bucket into whole tiles.
+FSDPA_Q_TILE_STEP = 128
+# Gaudi 2 carries 96 GB of HBM per card: a workspace bound at or above it bounds nothing.
+GAUDI2_HBM_GIB = 96
+# difflib similarity from which an unknown BEAM_* name is taken for a misspelt switch.
+MISSPELLING_CUTOFF = 0.85
+
+
+class SwitchError(ValueError):
+    """A switch's value cannot be used; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    default: str  # as it would be written in the environment
+    parse: Callable[[str, str], Any]  # (name, text) -> value; raises SwitchError
+    description: str
+
+    def read(self, env: Mapping[str, str]) -> Any:
+        return self.parse(self.name, env.get(self.name, self.default))
+
+
+def parse_bool(name: str, text: str) -> bool:
+    # Strict on purpose: vllm-gaudi's own `boolean()` reads "2" or "ture" as False without a word.
+    value = text.strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("0", "false"):
+        return False
+    raise SwitchError(f"{name}={text!r}: expected 1 or 0 (true/false)")
+
+
+def parse_gib(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise SwitchError(f"{name}={text!r}: expected a number of GiB, e.g. 2") from None
+    if not math.isfinite(value) or value < 0 or value >= GAUDI2_HBM_GIB:
+        raise SwitchError(
+            f"{name}={text!r}: expected 0 (no bound) or a bound in GiB below the card's "
+            f"{GAUDI2_HBM_GIB} GiB, e.g. 2"
+        )
+    return value
+
+
+def parse_q_tile(name: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise SwitchError(f"{name}={text!r}: expected an integer number of query rows") from None
+    if value < 0 or value % FSDPA_Q_TILE_STEP:
+        raise SwitchError(
+            f"{name}={text!r}: expected 0 (no tiling) or a positive multiple of "
+            f"{FSDPA_Q_TILE_STEP} (the query bucket step), e.g. 256"
+        )
+    return value
+
+
+def _switches(*switches: Switch) -> dict[str, Switch]:
+    return {s.name: s for s in switches}
+
+
+SWITCHES: dict[str, Switch] = _switches(
+    Switch(
+        "BEAM_EXACT_ROUNDING",
+        "0",
+        parse_bool,
+        "Rounding of the dynamic per-token FP8 activation quantisation in the FP8 linears and "
+        "MoE. 1 rounds every activation to FP8 exactly as the CPU per-token FP8 reference does "
+        "(round to nearest, ties to even, after the same fp32 scale), at the cost of extra "
+        "device ops per quantised input; use it to compare logits with the reference bit for "
+        "bit. 0 uses the device's fused cast, which the recipe was verified with (perplexity "
+        "within 0.25% of the reference, KL at most 0.0102).",
+    ),
+    Switch(
+        "BEAM_PREFILL_INFLIGHT",
+        "1",
+        parse_bool,
+        "Whether the runner keeps a step's prefill forwards in flight: with 1 it prepares the "
+        "next prefill chunk's host-side inputs while the device still runs the current one, "
+        "instead of waiting for each prefill forward before building the next. A 250K-token "
+        "prompt is about 62 chunks of 4,096 tokens, so the host preparation is otherwise paid "
+        "62 times in series. 0 restores vllm-gaudi's one-at-a-time order, for bisecting a hang "
+        "or a wrong result to the overlap.",
+    ),
+    Switch(
+        "BEAM_FSDPA_WS_GIB",
+        "2",
+        parse_gib,
+        "Upper bound, in GiB per card, on the FusedSDPA workspace of one prefill attention call "
+        "(the dense mask and score planes of prefill with cached context). Calls that would "
+        "exceed it are split along the query dimension. 0 removes the bound: prompts with 32K "
+        "or more tokens of cached context then grow the workspace past the free device memory, "
+        "and the engine returned NaN logits or died; the port therefore refuses 0 with "
+        "--max-model-len of 32768 or more.",
+    ),
+    Switch(
+        "BEAM_FSDPA_Q_TILE",
+        "256",
+        parse_q_tile,
+        "Query rows per FusedSDPA call when a prefill's attention carries a dense mask "
+        "(sliding-window layers, prefill with cached context). FusedSDPA addresses each "
+        "query-by-key bias plane with a 32-bit byte offset, so a plane of 2**31 bytes or more "
+        "silently returns NaN: a 4,096-token chunk over 262,144 keys in bf16 is exactly 2**31 "
+        "bytes. With 256 rows a plane is at most 128 MiB. 0 disables tiling; otherwise a "
+        "multiple of 128, the query bucket step, so every bucket splits into whole tiles.",
+    ),
+    Switch(
+        "BEAM_GRAMMAR_DEVICE_MASK",
+        "1",
+        parse_bool,
+        "Where structured-output steps apply xgrammar's packed token bitmask. 1: on the logits' "
+        "own device (beam_hpu.hpu.grammar_mask: the bitmask is copied to the device and "
+        "unpacked there, the logits never leave it). 0: vllm-gaudi's stock path, which copies "
+        "the logits to the host, applies xgrammar's CPU kernel and copies them back, a "
+        "device-to-host sync on every structured step; with "
+        "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT=1 every step with a chat request is one.",
+    ),
+    Switch(
+        "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT",
+        "1",
+        parse_bool,
+        "1: every output of the beam parsers is generated under the grammar derived from the "
+        "checkpoint's response template, from the first token (reasoning included), also for "
+        "requests without tools or a response_format; this is what keeps long agentic tool "
+        "calls well formed. 0: only requests with tools or structured output are constrained, "
+        "which frees unconstrained turns (the always-on grammar costs about 10% of aggregate "
+        "throughput at 8 to 16 concurrent chat requests). Same name and default as upstream "
+        "vLLM's Beam support.",
+    ),
+    Switch(
+        "VLLM_BEAM_STREAM_TOOL_ARGS",
+        "1",
+        parse_bool,
+        "1: the beam tool parser streams a tool call's arguments while they are generated "
+        "(the name first, then argument deltas), the way vLLM's Qwen3-XML parser streams "
+        "string values. 0: upstream vLLM's behaviour, each call sent whole when it closes. "
+        "Known issue with 1: a call cut off by max_tokens inside a streamed string argument "
+        "leaves the client with argument text that does not parse.",
+    ),
+    Switch(
+        "BEAM_ALLOW_EAGER",
+        "0",
+        parse_bool,
+        "1 lets --enforce-eager start on HPU, which the port otherwise refuses: eager decode "
+        "is bound by host op launches at 0.68 tokens/s, against about 29 tokens/s with the "
+        "decode graphs. Only for debugging a graph-capture problem; not part of the recipe.",
+    ),
+)
+
+
+def is_port_switch_name(name: str) -> bool:
+    return name.startswith(("BEAM_", "VLLM_BEAM_"))
+
+
+def read_switch(name: str, env: Mapping[str, str]) -> Any:
+    try:
+        switch = SWITCHES[name]
+    except KeyError:
+        raise SwitchError(f"{name} is not a switch of the Beam port") from None
+    return switch.read(env)
+
+
+def read_switches(env: Mapping[str, str]) -> dict[str, Any]:
+    """Every switch's value; one SwitchError listing every bad or unknown BEAM_* variable."""
+    values, problems = {}, []
+    for name, switch in SWITCHES.items():
+        try:
+            values[name] = switch.read(env)
+        except SwitchError as e:
+            problems.append(str(e))
+    # A misspelt switch would otherwise leave its default in force without a word. Only names
+    # close to a switch are refused: other BEAM_* variables (test harness knobs) are not ours.
+    for name in sorted(env):
+        if is_port_switch_name(name) and name not in SWITCHES:
+            close = difflib.get_close_matches(name, SWITCHES, n=1, cutoff=MISSPELLING_CUTOFF)
+            if close:
+                problems.append(f"{name} is not a switch of the Beam port; did you mean {close[0]}?")
+    if problems:
+        raise SwitchError("; ".join(problems))
+    return values
+
+
+def current(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The value of switch `name` in `env` (default: this process's environment, read now)."""
+    return read_switch(name, os.environ if env is None else env)

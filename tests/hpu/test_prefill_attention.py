@@ -9,6 +9,8 @@ recipe's shapes for 16K..256K of context.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from beam_hpu.envs import FSDPA_Q_TILE_STEP, SwitchError
 from beam_hpu.hpu import prefill_attention as pa
 from beam_hpu.hpu import window as win
 
+REPO = Path(__file__).resolve().parents[2]
 BS = 128
 W = 512
 FULL = 10**9  # a "window" wider than any position: window.prefill_window_mask is then plain causal
@@ -162,15 +165,14 @@ def test_between_tiles_runs_between_tiles_only():
 RECIPE = dict(q_heads=6, kv_heads=1, head_dim=128, chunk=4096)
 
 
-def recipe_calls_on_meta(ctx_len, sliding, q_tile, ws_gib):
+def recipe_calls_on_meta(ctx_len, sliding, q_tile, ws_gib, chunk=RECIPE["chunk"]):
     """Run prefill_attention itself on meta tensors of the recipe's shapes: every call's shapes."""
     blocks = -(-ctx_len // BS)
     if sliding:
         blocks = min(blocks, win.window_block_count(W, BS))
-    keys = blocks * BS + RECIPE["chunk"]
-    q, k, v = tensors(1, RECIPE["q_heads"], RECIPE["kv_heads"], RECIPE["chunk"], keys, RECIPE["head_dim"],
-                      device="meta")
-    bias = torch.empty(1, 1, RECIPE["chunk"], keys, device="meta", dtype=torch.bfloat16)
+    keys = blocks * BS + chunk
+    q, k, v = tensors(1, RECIPE["q_heads"], RECIPE["kv_heads"], chunk, keys, RECIPE["head_dim"], device="meta")
+    bias = torch.empty(1, 1, chunk, keys, device="meta", dtype=torch.bfloat16)
     rec = Recorder(1.0)
     out = pa.prefill_attention(q, k, v, bias, rec, q_tile=q_tile, ws_gib=ws_gib, window=W if sliding else None)
     assert out.shape == q.shape
@@ -189,6 +191,19 @@ def test_every_call_of_the_recipe_stays_under_the_bound(ctx_len, sliding):
     (rows, keys), = recipe_calls_on_meta(ctx_len, sliding, q_tile=256, ws_gib=0)
     untiled = pa.workspace_bytes(1, RECIPE["q_heads"], rows, keys)
     assert (untiled > 2 * pa.GIB) is (not sliding)  # full layers need the tiles from 16K of context on
+
+
+def test_every_prompt_bucket_with_context_of_the_recipe_stays_under_the_bound():
+    from serving.lint_buckets import parse_bucket_text
+
+    buckets, problems = parse_bucket_text((REPO / "serving/tp8-seqs16-256k.txt").read_text())
+    with_context = [b for b in buckets if b.query > 1 and b.blocks > 0]
+    assert not problems and len(with_context) > 100
+    for bucket in with_context:
+        for sliding in (False, True):
+            calls = recipe_calls_on_meta(bucket.blocks * BS, sliding, q_tile=256, ws_gib=2, chunk=bucket.query)
+            assert sum(r for r, _ in calls) == bucket.query
+            assert all(pa.workspace_bytes(bucket.batch, 6, r, k) <= 2 * pa.GIB for r, k in calls), bucket
 
 
 @pytest.mark.parametrize("ws_gib", [0.05, 0.5, 1, 2, 8, 48])

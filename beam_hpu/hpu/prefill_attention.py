@@ -29,7 +29,6 @@ patch sits in: q arrives scaled, and scaling it here would scale it twice.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 
 import torch
@@ -52,8 +51,9 @@ def workspace_bytes(batch: int, q_heads: int, rows: int, keys: int, *, bias_byte
                     score_bytes: int = SCORE_BYTES) -> int:
     """Bytes one attention call over `rows` queries and `keys` keys holds: the scores of every query
     head ([B, Hq, rows, keys] in `score_bytes`) and its bias tile ([B, 1, rows, keys] in the bias
-    dtype, bf16 on Gaudi). It is the size of an unfused attention's intermediates; FusedSDPA's own
-    allocation is not published, and this is the arithmetic the recipe's 2 GiB bound fits."""
+    dtype, bf16 on Gaudi). It is the size of an unfused attention's intermediates, the model behind
+    the recipe's figures (24 GiB of scores for a 4,096-token chunk over 256K keys, ~1.5 GiB for a
+    256-row tile); FusedSDPA's real allocation is not published and may be smaller."""
     return batch * rows * keys * (q_heads * score_bytes + bias_bytes)
 
 
@@ -109,8 +109,9 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     torch's scaled_dot_product_attention on CPU); [B, Hq, S, D] like the kernel's output.
 
     `window`: the layer's sliding window (None: full attention). `between_tiles`: called after every
-    tile but the last (the port passes the lazy-mode mark_step, so one tile's workspace is freed
-    before the next one's is taken).
+    tile but the last (the port passes htcore.mark_step in lazy mode, so the lazy graph runs one
+    tile at a time instead of holding every tile's workspace in one graph, as vllm-gaudi's own
+    query tiling in PR #1749 does).
     """
     batch, q_heads, rows_total, _ = query.shape
     keys_total = key.shape[-2]
@@ -202,7 +203,8 @@ def workspace_table(contexts=(16384, 65536, 131072, 262144), *, q_tile: int = 25
     largest call at the recipe's shapes (rows x keys, number of calls), and a sliding layer's."""
     lines = [f"TP 8 card: {RECIPE_Q_HEADS} query heads, chunk {RECIPE_CHUNK} tokens, fp32 scores + bf16 bias; "
              f"tiled = BEAM_FSDPA_Q_TILE={q_tile}, BEAM_FSDPA_WS_GIB={ws_gib:g}",
-             "| cached context | untiled: one call | tiled: largest call | calls | ratio | sliding layer: untiled, tiled |",
+             "| cached context | untiled: one call | tiled: largest call | calls | ratio "
+             "| sliding layer: untiled, tiled |",
              "|---|---|---|---|---|---|"]
     for ctx in contexts:
         (rows, keys), = recipe_calls(ctx, sliding=False, q_tile=q_tile, ws_gib=0)

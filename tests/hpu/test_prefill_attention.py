@@ -131,7 +131,12 @@ def test_a_wrong_key_range_would_be_caught(monkeypatch):
     q, k, v = tensors(1, 6, 1, seq_len, ctx_slots + seq_len, 16)
     want = definition(q, k, v, bias, 0.25)
     right = pa.tile_key_range
-    monkeypatch.setattr(pa, "tile_key_range", lambda f, e, c, w: (lambda r: (r[0] + (r[0] > 0), r[1]))(right(f, e, c, w)))
+
+    def one_key_short(first, end, ctx_slots, window):
+        k0, k1 = right(first, end, ctx_slots, window)
+        return k0 + (k0 > 0), k1
+
+    monkeypatch.setattr(pa, "tile_key_range", one_key_short)
     got = pa.prefill_attention(q, k, v, bias, pa.sdpa_kernel(0.25), q_tile=256, ws_gib=2, window=W)
     assert not torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -156,7 +161,8 @@ def test_between_tiles_runs_between_tiles_only():
     bias, ctx_slots = chunk_bias([300], [512], 512, sliding=False)
     q, k, v = tensors(1, 6, 1, 512, ctx_slots + 512, 8)
     marks = []
-    pa.prefill_attention(q, k, v, bias, pa.sdpa_kernel(0.3), q_tile=128, ws_gib=2, between_tiles=lambda: marks.append(1))
+    pa.prefill_attention(q, k, v, bias, pa.sdpa_kernel(0.3), q_tile=128, ws_gib=2,
+                         between_tiles=lambda: marks.append(1))
     assert len(marks) == 3
 
 

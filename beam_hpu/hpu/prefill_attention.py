@@ -92,7 +92,9 @@ def tile_key_range(first_row: int, end_row: int, ctx_slots: int, window: int | N
     (at position ctx + first_row) reaches back to position ctx + first_row - window + 1; when that is
     inside the chunk, neither the context nor the chunk rows before it are attended by any row of the
     tile. Otherwise the tile takes the whole context (its first attended slot depends on the context
-    length, which only the device holds).
+    length, which only the device holds). Each batch row is one sequence whose chunk row r sits at
+    position ctx + r: vllm-gaudi never merges a request that has cached context with another one
+    (`_can_merge_prefill_contents`, merged prefill included), so no row belongs to a second sequence.
     """
     end = ctx_slots + end_row
     if window is None:

@@ -19,7 +19,8 @@
 #                                   (beam_hpu/parsers, registered by register()): nothing is
 #                                   copied into vLLM's tree
 #   4. patch the runner             apply_all.py --profile PORT: exact sliding windows for Beam,
-#                                   grammar bitmask on the device (ports/beam-1-0/patches/)
+#                                   grammar bitmask on the device, bounded prompt attention
+#                                   with cached context (ports/beam-1-0/patches/)
 #   5. install the plugin           pip install --no-deps of this repository (vLLM is never a
 #                                   requirement: it is the image's own build)
 #   6. build gates                  tests/build_gates.py: 8 gates, any failure fails the build
@@ -39,7 +40,7 @@ while [ "$#" -gt 0 ]; do
     --port-profile) PORT_PROFILE=$2; shift 2 ;;
     --root|--checkout) TREE_ARGS+=("$1" "$2"); shift 2 ;;
     --pip-target) PIP_TARGET=$2; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

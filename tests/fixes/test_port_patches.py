@@ -27,7 +27,7 @@ from fixes.engine import EXIT_OK, run
 from fixes.profile import load_profile
 
 PORT_PROFILE = os.environ.get("GAUDI_PORT_PROFILE", "port-beam-1-0-public-main")
-PORT_UNITS = ["beam-exact-window", "beam-grammar-device-mask"]
+PORT_UNITS = ["beam-exact-window", "beam-grammar-device-mask", "beam-fsdpa-tiles"]
 RUNNER_CLS = "HPUModelRunner"
 PROCESSOR_CLS = "HPUAttentionMetadataProcessor"
 
@@ -61,7 +61,7 @@ def test_port_profile_applies_once_parses_and_checks(tmp_path):
     first = apply(root, checkouts)
     assert first.exit_code == EXIT_OK, first.lines
     assert set(first.states.values()) == {"applied"}, first.lines
-    assert list(first.states)[-2:] == PORT_UNITS  # after every v0.30.0 fix
+    assert list(first.states)[-len(PORT_UNITS):] == PORT_UNITS  # after every v0.30.0 fix
     ast.parse((root / RUNNER).read_text())
     before = tree_digest(root)
     second = apply(root, checkouts)

@@ -33,7 +33,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from beam_hpu.envs import FSDPA_Q_TILE_STEP, read_switch
+from beam_hpu.settings import switches
+from beam_hpu.settings.switches import FSDPA_Q_TILE_STEP
 from beam_hpu.hpu.window import first_window_key, window_block_count
 
 GIB = 2**30
@@ -150,9 +151,9 @@ def sdpa_kernel(scale: float) -> Kernel:
     return kernel
 
 
-def fsdpa_tile_switches(env: Mapping[str, str]) -> tuple[int, float]:
+def fsdpa_tile_switches(env: Mapping[str, str] | None = None) -> tuple[int, float]:
     """(BEAM_FSDPA_Q_TILE, BEAM_FSDPA_WS_GIB) from the switch table's reader."""
-    return read_switch("BEAM_FSDPA_Q_TILE", env), read_switch("BEAM_FSDPA_WS_GIB", env)
+    return switches.current("BEAM_FSDPA_Q_TILE", env), switches.current("BEAM_FSDPA_WS_GIB", env)
 
 
 def tiled_fsdpa_op(fsdpa_op: Callable, window: int | None, *, env: Mapping[str, str] | None = None,
@@ -160,9 +161,7 @@ def tiled_fsdpa_op(fsdpa_op: Callable, window: int | None, *, env: Mapping[str, 
     """vllm-gaudi's `fsdpa_op` wrapped for the port patch: the same positional call
     `_fsdpa_prompt_attention` makes (query, key, value, attn_bias, then dropout, is_causal, scale,
     softmax mode, ... passed through to every tile), computed by `prefill_attention`."""
-    import os
-
-    q_tile, ws_gib = fsdpa_tile_switches(os.environ if env is None else env)
+    q_tile, ws_gib = fsdpa_tile_switches(env)
 
     def tiled(query, key, value, attn_bias, *args):
         return prefill_attention(query, key, value, attn_bias, lambda q, k, v, b: fsdpa_op(q, k, v, b, *args),

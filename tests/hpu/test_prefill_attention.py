@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from beam_hpu.envs import FSDPA_Q_TILE_STEP, SwitchError
+from beam_hpu.settings.switches import FSDPA_Q_TILE_STEP, SwitchError
 from beam_hpu.hpu import prefill_attention as pa
 from beam_hpu.hpu import window as win
 

@@ -3,7 +3,9 @@ grammar, all derived from the checkpoint's `response_template` (template.py).
 
 Modules: template (the format), messages (the output reader), arguments (typed argument JSON),
 reasoning / tools (the two vLLM parsers), grammar (the structural tag), request (the request
-adjustment that installs the grammar from the first token), switches (VLLM_BEAM_* flags).
+adjustment that installs the grammar from the first token), switches (VLLM_BEAM_* flags),
+untrusted (client text never becomes a control token in the prompt), validation (roles, tool
+names and schemas refused with a 400 naming the culprit).
 """
 
 from __future__ import annotations
@@ -24,3 +26,7 @@ def register() -> None:
         ReasoningParserManager.register_lazy_module(NAME, *REASONING_PARSER)
     if NAME not in ToolParserManager.lazy_parsers and NAME not in ToolParserManager.tool_parsers:
         ToolParserManager.register_lazy_module(NAME, *TOOL_PARSER)
+
+    from beam_hpu.parsers.untrusted import install
+
+    install()  # before vLLM builds its renderer; acts only on tokenizers with a response template

@@ -23,6 +23,7 @@ from beam_hpu.parsers.arguments import tool_parameter_schemas
 from beam_hpu.parsers.grammar import ResponseGrammar
 from beam_hpu.parsers.switches import ALWAYS_CONSTRAIN_OUTPUT, switch_on
 from beam_hpu.parsers.template import ResponseTemplate
+from beam_hpu.parsers.validation import check_answer_schema, check_tool_schemas, check_tools
 
 logger = logging.getLogger("vllm.beam_hpu.parsers")
 
@@ -54,6 +55,7 @@ def _answer_body(request) -> tuple[dict | None, bool]:
     fmt = getattr(request, "response_format", None)
     if fmt is not None and fmt.type == "json_schema":
         schema = fmt.json_schema.json_schema if fmt.json_schema else None
+        check_answer_schema(schema or {}, "response_format.json_schema.schema")
         return {"type": "json_schema", "json_schema": schema or {"type": "object"}}, False
     if fmt is not None and fmt.type == "json_object":
         return {"type": "json_schema", "json_schema": {"type": "object"}}, False
@@ -64,6 +66,7 @@ def _answer_body(request) -> tuple[dict | None, bool]:
         return None, False
     if so.json is not None:
         schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        check_answer_schema(schema, "structured_outputs.json")
         return {"type": "json_schema", "json_schema": schema}, False
     if so.json_object:
         return {"type": "json_schema", "json_schema": {"type": "object"}}, False
@@ -79,13 +82,16 @@ def _answer_body(request) -> tuple[dict | None, bool]:
 def constrain_request(request, template: ResponseTemplate, vocab: dict[str, int], *, thinking: bool):
     """Adjust `request` in place (and return it). Idempotent: the reasoning and the tool parser
     both call it; the first call wins. Raises VLLMValidationError (HTTP 400) for a forced tool
-    choice that the grammar cannot guarantee."""
+    choice that the grammar cannot guarantee, and for a tool name or schema that validation.py
+    refuses."""
     for name in ("skip_special_tokens", "spaces_between_special_tokens"):
         if hasattr(request, name):
             setattr(request, name, False)
     if getattr(request, "_grammar_from_parser", False):
         return request
 
+    check_tools(getattr(request, "tools", None))  # names: also checked before rendering (untrusted.py)
+    check_tool_schemas(getattr(request, "tools", None))
     tools = tool_parameter_schemas(getattr(request, "tools", None))
     tool_choice = getattr(request, "tool_choice", None)
     named = _named_tool(tool_choice)

@@ -23,7 +23,7 @@ from beam_hpu.parsers.arguments import tool_parameter_schemas
 from beam_hpu.parsers.grammar import ResponseGrammar
 from beam_hpu.parsers.switches import ALWAYS_CONSTRAIN_OUTPUT, switch_on
 from beam_hpu.parsers.template import ResponseTemplate
-from beam_hpu.parsers.validation import check_answer_schema, check_tool_schemas, check_tools
+from beam_hpu.parsers.validation import check_answer_schema, check_grammar_compiles, check_tool_schemas, check_tools
 
 logger = logging.getLogger("vllm.beam_hpu.parsers")
 
@@ -79,6 +79,13 @@ def _answer_body(request) -> tuple[dict | None, bool]:
     return None, so.structural_tag is not None
 
 
+def _answer_where(request) -> str:
+    fmt = getattr(request, "response_format", None)
+    if fmt is not None and fmt.type == "json_schema":
+        return "response_format.json_schema.schema"
+    return "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+
+
 def constrain_request(request, template: ResponseTemplate, vocab: dict[str, int], *, thinking: bool):
     """Adjust `request` in place (and return it). Idempotent: the reasoning and the tool parser
     both call it; the first call wins. Raises VLLMValidationError (HTTP 400) for a forced tool
@@ -120,13 +127,16 @@ def constrain_request(request, template: ResponseTemplate, vocab: dict[str, int]
         return request
 
     callable_tools = {named: tools[named]} if named else (tools if calls_allowed else {})
-    tag = ResponseGrammar(template, vocab).structural_tag(
+    grammar = ResponseGrammar(template, vocab)
+    tag = grammar.structural_tag(
         thinking=thinking,
         tools=callable_tools,
         allow_answer=not forced,
         parallel=named is None and getattr(request, "parallel_tool_calls", True) is not False,
         answer_body=answer_body,
     )
+    answer = (_answer_where(request), answer_body) if answer_body is not None else None
+    check_grammar_compiles(tag, grammar.value, getattr(request, "tools", None), answer)
     from vllm.sampling_params import StructuredOutputsParams
 
     request.structured_outputs = StructuredOutputsParams(structural_tag=json.dumps(tag))

@@ -10,11 +10,14 @@ a 400 (VLLMValidationError) whose message names the message index, tool, or sche
   compiler would otherwise report by an internal key (`Invalid grammar specification:
   'triggers'`): unknown `type`, a `type` that is not a string, a `$ref` that does not resolve,
   an `enum` whose values the declared type or Beam's raw-text values make ambiguous, `required`
-  naming a property the schema does not have, a `pattern` that is not a regex.
+  naming a property the schema does not have, a `pattern` that is not a regex; anything else
+  the grammar compiler refuses, with its reason, on the tool parameter it belongs to.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -214,3 +217,52 @@ def _enum_fault(values, kinds) -> str | None:
         return (f"mixes strings with {_json_type(other)} values ({strings[0]!r}, {other!r}): Beam writes "
                 "argument values as raw text, where the two cannot be told apart; declare `type` or use one kind")
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# What the static checks above do not know, the grammar compiler finds (`minimum: "x"`, a
+# lookbehind in `pattern`, ...); vLLM would then answer "Invalid structural tag specification."
+# naming nothing. The request's grammar is compiled once here (cached by its text: agents resend
+# the same tools) and, when refused, each schema on its own to name the one at fault.
+
+_COMPILER_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+:[0-9]+: ")
+
+
+@functools.lru_cache(maxsize=256)
+def _refusal(tag_json: str) -> str | None:
+    try:
+        import xgrammar as xgr
+    except ImportError:  # another structured-output backend: it reports its own errors
+        return None
+    try:
+        xgr.Grammar.from_structural_tag(tag_json)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the reason as text
+        return _COMPILER_PREFIX.sub("", str(e).strip()) or type(e).__name__
+    return None
+
+
+def grammar_refusal(fmt: dict) -> str | None:
+    """The grammar compiler's reason for refusing a structural-tag format, None if it compiles."""
+    tag = fmt if fmt.get("type") == "structural_tag" else {"type": "structural_tag", "format": fmt}
+    return _refusal(json.dumps(tag, sort_keys=True))
+
+
+def check_grammar_compiles(tag: dict, value_format, tools, answer: tuple[str, dict] | None) -> None:
+    """Raise a 400 naming the tool parameter (or answer schema) whose grammar does not compile.
+    `value_format(schema)`: the grammar of one parameter value; `answer`: (where, its format)."""
+    reason = grammar_refusal(tag)
+    if reason is None:
+        return
+    for i, name, parameters in tool_functions(tools):
+        properties = (parameters or {}).get("properties") or {} if isinstance(parameters, dict) else {}
+        for key in sorted(properties):
+            why = grammar_refusal(value_format(properties[key]))
+            if why:
+                raise bad_request(f"tools[{i}] {name!r}: parameters.properties.{key}: the grammar compiler refuses "
+                                  f"this schema: {why}", f"tools[{i}].function.parameters")
+    if answer is not None:
+        where, fmt = answer
+        why = grammar_refusal(fmt)
+        if why:
+            raise bad_request(f"{where}: the grammar compiler refuses this schema: {why}", where)
+    raise bad_request(f"the response grammar for this request does not compile: {reason}", "tools")

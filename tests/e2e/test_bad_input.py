@@ -100,6 +100,9 @@ BAD = {
     "required names a missing property": ({"messages": USER, "tools": schema_tool({"r": {"type": "string"}},
                                                                                    required=["r", "s"])}, None,
                                           ["get_weather", "parameters.required", "'s'"]),
+    "schema only the grammar compiler refuses": ({"messages": USER, "tools": schema_tool(
+        {"r": {"type": "integer", "minimum": 5, "maximum": 2}})}, None,
+        ["get_weather", "parameters.properties.r", "minimum greater than maximum"]),
     "response_format schema fault": ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
         "name": "a", "schema": {"type": "object", "properties": {"a": {"type": 7}}}}}}, None,
         ["response_format.json_schema.schema.properties.a.type"]),

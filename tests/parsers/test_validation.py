@@ -151,3 +151,29 @@ def test_valid_schemas_pass_and_compile(parser_cls, tokenizer):
         request = chat_request(tools=tools, tool_choice="required")
         parser_cls(tokenizer, request.tools, chat_template_kwargs={}).adjust_request(request)
         validate_xgrammar_grammar(request.to_sampling_params(64, {}))
+
+
+COMPILER_FAULTS = {
+    "minimum not a number": ({"type": "integer", "minimum": "x"}, "Value must be a number"),
+    "empty range": ({"type": "integer", "minimum": 5, "maximum": 2}, "minimum greater than maximum"),
+    "lookbehind": ({"type": "string", "pattern": "(?<=a)b"}, "Lookbehind"),
+}
+
+
+@pytest.mark.parametrize("kind", list(COMPILER_FAULTS))
+def test_what_only_the_grammar_compiler_refuses_is_named_too(parser_cls, tokenizer, kind):
+    """Faults the static checks do not know: the compiler's reason, on the parameter at fault
+    (vLLM alone says `Invalid structural tag specification.`)."""
+    schema, reason = COMPILER_FAULTS[kind]
+    request = chat_request(tools=[tool("ok_tool"), tool("lookup", {"fine": {"type": "string"}, "bad": schema})],
+                           tool_choice="required")
+    message = refused(lambda: parser_cls(tokenizer, request.tools, chat_template_kwargs={}).adjust_request(request))
+    assert "tools[1] 'lookup': parameters.properties.bad:" in message and reason in message, message
+
+
+def test_answer_schema_the_compiler_refuses_is_named(parser_cls, tokenizer):
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": "x"}}}}}
+    request = chat_request(response_format=fmt)
+    message = refused(lambda: parser_cls(tokenizer, None, chat_template_kwargs={}).adjust_request(request))
+    assert message.startswith("response_format.json_schema.schema: ") and "Value must be a number" in message

@@ -73,7 +73,7 @@ def test_bad_tool_names_are_refused_naming_the_tool(render, parser_cls, tokenize
 
 @pytest.mark.parametrize("name", ["get_weather", "weather.lookup", "a-b_c.d9", "a" * 64])
 def test_good_tool_names_pass(render, name):
-    assert f"to=NAME" in render(USER, [tool(name)])
+    assert "to=NAME" in render(USER, [tool(name)])
 
 
 def test_duplicate_tool_names_are_refused(render):

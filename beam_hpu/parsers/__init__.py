@@ -3,8 +3,10 @@ grammar, all derived from the checkpoint's `response_template` (template.py).
 
 Modules: template (the format), messages (the output reader), arguments (typed argument JSON),
 reasoning / tools (the two vLLM parsers), grammar (the structural tag), request (the request
-adjustment that installs the grammar from the first token). The VLLM_BEAM_* switches they read
-are in `beam_hpu.settings.switches`; the bundled `response_template.json` is the published one.
+adjustment that installs the grammar from the first token), untrusted (client text never
+becomes a control token in the prompt), validation (roles, tool names and schemas refused with a
+400 naming the culprit). The VLLM_BEAM_* switches they read are in `beam_hpu.settings.switches`;
+the bundled `response_template.json` is the published one.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import logging
 from beam_hpu.parsers.arguments import tool_parameter_schemas
 from beam_hpu.parsers.grammar import ResponseGrammar
 from beam_hpu.parsers.template import ResponseTemplate
+from beam_hpu.parsers.validation import check_answer_schema, check_grammar_compiles, check_tool_schemas, check_tools
 from beam_hpu.settings import switches
 
 logger = logging.getLogger("vllm.beam_hpu.parsers")
@@ -54,6 +55,7 @@ def _answer_body(request) -> tuple[dict | None, bool]:
     fmt = getattr(request, "response_format", None)
     if fmt is not None and fmt.type == "json_schema":
         schema = fmt.json_schema.json_schema if fmt.json_schema else None
+        check_answer_schema(schema or {}, "response_format.json_schema.schema")
         return {"type": "json_schema", "json_schema": schema or {"type": "object"}}, False
     if fmt is not None and fmt.type == "json_object":
         return {"type": "json_schema", "json_schema": {"type": "object"}}, False
@@ -64,6 +66,7 @@ def _answer_body(request) -> tuple[dict | None, bool]:
         return None, False
     if so.json is not None:
         schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        check_answer_schema(schema, "structured_outputs.json")
         return {"type": "json_schema", "json_schema": schema}, False
     if so.json_object:
         return {"type": "json_schema", "json_schema": {"type": "object"}}, False
@@ -76,16 +79,26 @@ def _answer_body(request) -> tuple[dict | None, bool]:
     return None, so.structural_tag is not None
 
 
+def _answer_where(request) -> str:
+    fmt = getattr(request, "response_format", None)
+    if fmt is not None and fmt.type == "json_schema":
+        return "response_format.json_schema.schema"
+    return "response_format" if fmt is not None and fmt.type != "text" else "structured_outputs"
+
+
 def constrain_request(request, template: ResponseTemplate, vocab: dict[str, int], *, thinking: bool):
     """Adjust `request` in place (and return it). Idempotent: the reasoning and the tool parser
     both call it; the first call wins. Raises VLLMValidationError (HTTP 400) for a forced tool
-    choice that the grammar cannot guarantee."""
+    choice that the grammar cannot guarantee, and for a tool name or schema that validation.py
+    refuses."""
     for name in ("skip_special_tokens", "spaces_between_special_tokens"):
         if hasattr(request, name):
             setattr(request, name, False)
     if getattr(request, "_grammar_from_parser", False):
         return request
 
+    check_tools(getattr(request, "tools", None))  # names: also checked before rendering (untrusted.py)
+    check_tool_schemas(getattr(request, "tools", None))
     tools = tool_parameter_schemas(getattr(request, "tools", None))
     tool_choice = getattr(request, "tool_choice", None)
     named = _named_tool(tool_choice)
@@ -114,13 +127,16 @@ def constrain_request(request, template: ResponseTemplate, vocab: dict[str, int]
         return request
 
     callable_tools = {named: tools[named]} if named else (tools if calls_allowed else {})
-    tag = ResponseGrammar(template, vocab).structural_tag(
+    grammar = ResponseGrammar(template, vocab)
+    tag = grammar.structural_tag(
         thinking=thinking,
         tools=callable_tools,
         allow_answer=not forced,
         parallel=named is None and getattr(request, "parallel_tool_calls", True) is not False,
         answer_body=answer_body,
     )
+    answer = (_answer_where(request), answer_body) if answer_body is not None else None
+    check_grammar_compiles(tag, grammar.value, getattr(request, "tools", None), answer)
     from vllm.sampling_params import StructuredOutputsParams
 
     request.structured_outputs = StructuredOutputsParams(structural_tag=json.dumps(tag))

@@ -56,6 +56,20 @@ INDEX: tuple[RuntimePatch, ...] = (
         upstream="none filed",
     ),
     RuntimePatch(
+        name="untrusted-text",
+        module="untrusted_text",
+        targets=("vllm.renderers.hf.safe_apply_chat_template",
+                 "vllm.entrypoints.pooling.scoring.io_processor.safe_apply_chat_template"),
+        platform="any",
+        why="vLLM renders the chat template to text and tokenizes it with special tokens on, so a "
+            "client string holding `<|end|><|start|>` becomes real control tokens (forged turns).",
+        how="For tokenizers with a response template, renders with client text neutralised and "
+            "encodes every segment between the template's control tokens as plain text "
+            "(beam_hpu.parsers.untrusted); the second target only where that module is imported.",
+        remove_when="vLLM tokenizes chat-template output with client text kept apart from special tokens.",
+        upstream="none filed",
+    ),
+    RuntimePatch(
         name="portable-fp8-moe",
         module="portable_fp8_moe",
         targets=("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."

@@ -1,4 +1,5 @@
-"""The one way the port changes vLLM at run time: wrap a function where its class defines it.
+"""The one way the port changes vLLM at run time: wrap a function where its class (or module)
+defines it.
 
 `wrap(owner, attr, make, patch=NAME)` replaces `owner.attr` by `make(original)`, marks the
 wrapper with the patch's name and records the target in `APPLIED`. Idempotent per process: a
@@ -11,6 +12,7 @@ to start rather than serve without a patch it relies on.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 
 MARK = "__beam_hpu_patch__"
@@ -22,7 +24,9 @@ class PatchError(RuntimeError):
     """A runtime patch cannot be installed; the message names the patch and its target."""
 
 
-def target_name(owner: type, attr: str) -> str:
+def target_name(owner, attr: str) -> str:
+    if isinstance(owner, types.ModuleType):
+        return f"{owner.__name__}.{attr}"
     return f"{owner.__module__}.{owner.__qualname__}.{attr}"
 
 
@@ -32,9 +36,9 @@ def patch_of(function) -> str | None:
     return getattr(raw, MARK, None)
 
 
-def wrap(owner: type, attr: str, make: Callable[[Callable], Callable], *, patch: str) -> bool:
-    """Wrap `owner.attr` (defined on `owner` itself; a staticmethod stays one). True if installed
-    now, False if this process had already installed it."""
+def wrap(owner, attr: str, make: Callable[[Callable], Callable], *, patch: str) -> bool:
+    """Wrap `owner.attr` (a class or a module that defines it itself; a staticmethod stays one).
+    True if installed now, False if this process had already installed it."""
     target = target_name(owner, attr)
     raw = owner.__dict__.get(attr)
     if raw is None:

@@ -154,8 +154,9 @@ SWITCHES: dict[str, Switch] = _switches(
         "1: every output of the beam parsers is generated under the grammar derived from the "
         "checkpoint's response template, from the first token (reasoning included), also for "
         "requests without tools or a response_format; this is what keeps long agentic tool "
-        "calls well formed. 0: only requests with tools or structured output are constrained, "
-        "which frees unconstrained turns (the always-on grammar costs about 10% of aggregate "
+        "calls well formed. 0: only requests with a forced (required or named) or forbidden "
+        "(none) tool choice, or an answer format, are constrained; free turns (tools with auto "
+        "included) are not, which frees them (the always-on grammar costs about 10% of aggregate "
         "throughput at 8 to 16 concurrent chat requests). Same name and default as upstream "
         "vLLM's Beam support.",
     ),

@@ -25,7 +25,8 @@ PACKAGE = REPO / "beam_hpu"
 
 REGISTER_AND_REPORT = r"""
 import importlib, json
-import vllm.engine.arg_utils, vllm.entrypoints.cli.serve  # as in `vllm serve`, before plugins load
+# As in `vllm serve`: these are imported before plugins load, so every conditional target applies.
+import vllm.engine.arg_utils, vllm.entrypoints.cli.serve, vllm.entrypoints.pooling.scoring.io_processor
 import beam_hpu
 from beam_hpu.patches import INDEX, wrap
 
@@ -36,8 +37,13 @@ from beam_hpu.patches import install_all
 install_all()  # a second install must find every mark and wrap nothing again
 
 def resolve(target):
-    module, cls, attr = target.rsplit(".", 2)
-    return importlib.import_module(module).__dict__[cls].__dict__[attr]
+    # a module-level function (module.attr) or a class attribute (module.Class.attr)
+    head, attr = target.rsplit(".", 1)
+    try:
+        return vars(importlib.import_module(head))[attr]
+    except ModuleNotFoundError:
+        module, cls = head.rsplit(".", 1)
+        return vars(vars(importlib.import_module(module))[cls])[attr]
 
 def raw(target):
     obj = resolve(target)

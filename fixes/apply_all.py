@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make `fixes` importable from t
 
 from fixes.engine import EXIT_IMAGE, EXIT_OK, EXIT_USAGE, run  # noqa: E402
 from fixes.explain import explain  # noqa: E402
-from fixes.profile import ProfileError, available_profiles, load_profile  # noqa: E402
+from fixes.profile import PROFILES_DIR, ProfileError, available_profiles, load_profile  # noqa: E402
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, str]:
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", required=True,
                         help=f"profile name ({', '.join(available_profiles())})")
+    parser.add_argument("--profiles-dir", type=Path, default=PROFILES_DIR,
+                        help=f"where profiles are read from (default {PROFILES_DIR})")
     parser.add_argument("--check", action="store_true", help="report only, never write")
     parser.add_argument("--list", action="store_true", help="print the profile's fixes and exit")
     parser.add_argument("--explain", action="store_true",
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="read PACKAGE's commit from this git checkout")
     args = parser.parse_args(argv)
     try:
-        profile = load_profile(args.profile)
+        profile = load_profile(args.profile, args.profiles_dir)
     except ProfileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -36,9 +36,9 @@ class RefusedEdit:
     index: int  # 1-based, in the unit's edits
     edit: Edit
     root: Path  # the directory holding the package
-    text: str | None  # as the edit saw it (earlier edits of its fix applied); None: no file
+    text: str | None  # as the plan had it (earlier fixes and edits applied); None: no file
     why: str
-    before: str | None = None  # the file before any edit of this fix (an older form shows here)
+    on_disk: str | None = None  # the file as it is: line numbers for the operator come from it
 
 
 @dataclass
@@ -180,7 +180,7 @@ def _plan_unit(unit: FixUnit, root: Path, texts: dict[Path, str], originals: dic
         text = scratch.get(path, texts[path])
         state, why = _edit_state(edit, text)
         if state == REFUSED:
-            refused_edits.append(RefusedEdit(unit.name, index, edit, root, text, why, texts[path]))
+            refused_edits.append(RefusedEdit(unit.name, index, edit, root, text, why, originals[path]))
             return REFUSED, f"{edit.file} (edit {index}): {why}"
         if state == APPLIED:
             text = text.replace(edit.anchor, edit.replacement, 1)

@@ -23,7 +23,7 @@ from fixes.unit import FixUnit
 
 # Below this ratio the nearest region in the target file is too weak to call the anchor edited
 # there: the package's other files are searched too, and the summary says "no close match".
-CLOSE = 0.6
+CLOSE = 0.75
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,11 @@ class Explanation:
 
 def explain(refused: RefusedEdit, earlier: list[FixUnit] = ()) -> Explanation:
     """Describe one refused edit. `earlier`: the units planned before it (a line of the anchor
-    that the target lacks and one of their replacements has shows the anchor depends on them)."""
-    edit, text = refused.edit, refused.text
+    that the planned text lacks and one of their replacements has shows the anchor depends on
+    them). Places are looked for in the file as it is on disk, so their line numbers are the
+    ones the operator sees; the plan's text (earlier fixes applied) only decides the refusal."""
+    edit = refused.edit
+    text = refused.on_disk if refused.on_disk is not None else refused.text
     result = Explanation(refused.fix, refused.index, edit.file, refused.why,
                          anchor=edit.anchor, replacement=edit.replacement)
     if text is not None:
@@ -135,15 +138,13 @@ def explain(refused: RefusedEdit, earlier: list[FixUnit] = ()) -> Explanation:
         if not result.occurrences:
             similar = nearest_regions(edit.file, text, edit.anchor)
             result.nearest, result.runners_up = (similar[0], similar[1:]) if similar else (None, [])
-        result.written_by = _written_by(edit.anchor, text, earlier)
-        # The marker is looked for in the file as it was before this fix's own earlier edits
-        # were planned on it: those carry the marker too, and are not an older form.
-        before = refused.before if refused.before is not None else text
+        result.written_by = _written_by(edit.anchor, refused.text,
+                                        [u for u in earlier if u.name != refused.fix])
         marker = f"beam-hpu fix {refused.fix}"
-        result.markers = [_region(edit.file, before, i, i, 1.0) for i, line in
-                          enumerate(before.splitlines(), 1) if marker in line]
+        result.markers = [_region(edit.file, text, i, i, 1.0) for i, line in
+                          enumerate(text.splitlines(), 1) if marker in line]
         if result.markers and not result.replacements:
-            result.older = nearest_region(edit.file, before, edit.replacement)
+            result.older = nearest_region(edit.file, text, edit.replacement)
     if not result.occurrences:
         best = result.nearest.ratio if result.nearest else 0.0
         result.elsewhere = _search_package(refused.root, edit.file, edit.anchor,
@@ -209,6 +210,16 @@ def _occurrences(file: str, text: str, needle: str) -> list[Region]:
     return found
 
 
+def _occurrences_ignoring_indent(file: str, text: str, needle: str) -> list[Region]:
+    want = [line.strip() for line in needle.splitlines() if line.strip()]
+    have = [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    found = []
+    for at in range(len(have) - len(want) + 1):
+        if have[at][1] == want[0] and [line for _, line in have[at:at + len(want)]] == want:
+            found.append(_region(file, text, have[at][0], have[at + len(want) - 1][0], 1.0))
+    return found
+
+
 def _written_by(anchor: str, text: str, earlier) -> dict[str, list[str]]:
     present = {line.strip() for line in text.splitlines()}
     missing = [line.strip() for line in anchor.splitlines() if line.strip() and line.strip() not in present]
@@ -236,6 +247,8 @@ def _search_package(root: Path, file: str, anchor: str, fuzzy_above: float | Non
         except (OSError, UnicodeDecodeError):
             continue
     exact = [r for rel, text in texts.items() for r in _occurrences(rel, text, anchor)]
+    if not exact:  # moved and re-indented (a method become a function, a block nested deeper)
+        exact = [r for rel, text in texts.items() for r in _occurrences_ignoring_indent(rel, text, anchor)]
     if exact or fuzzy_above is None:
         return exact
     best = None
@@ -251,15 +264,13 @@ def _region(file: str, text: str, first: int, last: int, ratio: float) -> Region
     return Region(file, first, last, ratio, "".join(lines[first - 1:last]), _scope(text, first))
 
 
-_SCOPES: dict[int, list[tuple[int, int, str]]] = {}
+_SCOPES: list = [None, []]  # (text, its definitions): the last text asked about
 
 
 def _scope(text: str, line: int) -> str:
-    key = hash(text)
-    if key not in _SCOPES:
-        _SCOPES.clear()  # one text at a time is all a report needs
-        _SCOPES[key] = _definitions(text)
-    inner = [(first, name) for first, last, name in _SCOPES[key] if first <= line <= last]
+    if _SCOPES[0] is not text:
+        _SCOPES[:] = [text, _definitions(text)]
+    inner = [(first, name) for first, last, name in _SCOPES[1] if first <= line <= last]
     return max(inner)[1] if inner else ""
 
 

@@ -169,23 +169,28 @@ def _plan_unit(unit: FixUnit, root: Path, texts: dict[Path, str], originals: dic
         return REFUSED, f"no unit file {unit.source.name} for this fix"
     scratch: dict[Path, str] = {}
     states = []
+    first_refusal = None  # the unit is refused on it; later edits are still checked, for --explain
     for index, edit in enumerate(unit.edits, 1):
         path = root / edit.file
         if path not in texts:
             if not path.is_file():
                 why = f"{edit.file}: no such file in {root}"
                 refused_edits.append(RefusedEdit(unit.name, index, edit, root, None, why, None))
-                return REFUSED, why
+                first_refusal = first_refusal or why
+                continue
             texts[path] = originals[path] = read_text(path)
         text = scratch.get(path, texts[path])
         state, why = _edit_state(edit, text)
         if state == REFUSED:
             refused_edits.append(RefusedEdit(unit.name, index, edit, root, text, why, originals[path]))
-            return REFUSED, f"{edit.file} (edit {index}): {why}"
+            first_refusal = first_refusal or f"{edit.file} (edit {index}): {why}"
+            continue
         if state == APPLIED:
             text = text.replace(edit.anchor, edit.replacement, 1)
         scratch[path] = text
         states.append(state)
+    if first_refusal:
+        return REFUSED, first_refusal
     if len(set(states)) > 1:
         done = [str(i) for i, s in enumerate(states, 1) if s == ALREADY]
         return REFUSED, f"partly applied (edit {', '.join(done)} of {len(states)} found applied)"

@@ -56,10 +56,12 @@ class Explanation:
     older: Region | None = None  # the region most like this edit's replacement, near a marker
     anchor: str = ""
     replacement: str = ""
+    missing: bool = False  # the target file does not exist
+
 
     def summary(self) -> str:
         """One line: where the anchor went."""
-        head = f"{self.fix} edit {self.index}: "
+        head = f"{self.fix} edit {self.index}: " + (f"no file {self.file}; " if self.missing else "")
         if self.written_by:
             names = ", ".join(sorted(self.written_by))
             head += f"anchor needs text written by {names}; "
@@ -132,6 +134,7 @@ def explain(refused: RefusedEdit, earlier: list[FixUnit] = ()) -> Explanation:
     text = refused.on_disk if refused.on_disk is not None else refused.text
     result = Explanation(refused.fix, refused.index, edit.file, refused.why,
                          anchor=edit.anchor, replacement=edit.replacement)
+    result.missing = text is None
     if text is not None:
         result.occurrences = _occurrences(edit.file, text, edit.anchor)
         result.replacements = _occurrences(edit.file, text, edit.replacement)

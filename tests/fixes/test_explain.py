@@ -157,6 +157,19 @@ def test_moved_anchor_names_the_other_file(toy, capsys):
     assert f"anchor moved to toypkg/other.py:{line} (in keep_window) ratio 1.00" in out
 
 
+def test_renamed_file_is_found_by_its_anchor(toy, capsys):
+    root, profiles = toy
+    (root / "toypkg" / "runner.py").rename(root / "toypkg" / "engine.py")
+    code, out = explain_cli(capsys, root, profiles, "--explain")
+    assert code == EXIT_REFUSED
+    assert "toy-window: refused: toypkg/runner.py: no such file" in out
+    line = line_of(RUNNER, KEPT)
+    assert f"anchor moved to toypkg/engine.py:{line} (in Runner.prepare) ratio 1.00" in out
+    [found] = [explain(r) for r in run(load_profile("toy", profiles), roots={"toypkg": str(root)},
+                                       check=True).refused_edits if r.fix == "toy-window"]
+    assert found.summary() == f"toy-window edit 1: no file toypkg/runner.py; anchor moved to toypkg/engine.py:{line} (in Runner.prepare)"
+
+
 def test_duplicated_anchor_lists_every_place(toy, capsys):
     root, profiles = toy
     copy = "\n\nclass Copy:\n    def prepare(self, tables, limit):\n" + KEPT + "        return kept\n"

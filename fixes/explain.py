@@ -53,11 +53,10 @@ class Explanation:
     written_by: dict[str, list[str]] = field(default_factory=dict)  # fix -> anchor lines it writes
     markers: list[Region] = field(default_factory=list)  # lines carrying this fix's marker
     replacements: list[Region] = field(default_factory=list)  # exact replacement occurrences
-    older: Region | None = None  # the region most like this edit's replacement, near a marker
+    older: Region | None = None  # the region most like this edit's replacement (markers found)
     anchor: str = ""
     replacement: str = ""
     missing: bool = False  # the target file does not exist
-
 
     def summary(self) -> str:
         """One line: where the anchor went."""
@@ -108,7 +107,8 @@ class Explanation:
             out.append(f"  most similar region: {best.place()} ratio {best.ratio:.2f}"
                        + (" (weak: the anchor's text may be gone)" if best.ratio < CLOSE else ""))
             out += ["    " + line for line in _diff(self.anchor, best, "anchor")]
-            out += [f"  next most similar: {r.place()} ratio {r.ratio:.2f}" for r in self.runners_up]
+            out += [f"  next most similar in the target: {r.place()} ratio {r.ratio:.2f}"
+                    for r in self.runners_up]
         elif best is None and not self.occurrences:
             out.append("  no similar region in the target file or the package")
         if self.markers:

@@ -167,7 +167,8 @@ def test_renamed_file_is_found_by_its_anchor(toy, capsys):
     assert f"anchor moved to toypkg/engine.py:{line} (in Runner.prepare) ratio 1.00" in out
     [found] = [explain(r) for r in run(load_profile("toy", profiles), roots={"toypkg": str(root)},
                                        check=True).refused_edits if r.fix == "toy-window"]
-    assert found.summary() == f"toy-window edit 1: no file toypkg/runner.py; anchor moved to toypkg/engine.py:{line} (in Runner.prepare)"
+    assert found.summary() == ("toy-window edit 1: no file toypkg/runner.py; "
+                               f"anchor moved to toypkg/engine.py:{line} (in Runner.prepare)")
 
 
 def test_duplicated_anchor_lists_every_place(toy, capsys):
@@ -197,7 +198,8 @@ def test_deleted_anchor_says_no_close_match(toy, capsys):
 
 def test_older_form_of_the_fix_is_reported(toy, capsys):
     root, profiles = toy
-    older = "        # beam-hpu fix toy-window: an earlier text of this fix\n        kept = [t[-limit:] for t in tables][:]\n"
+    older = ("        # beam-hpu fix toy-window: an earlier text of this fix\n"
+             "        kept = [t[-limit:] for t in tables][:]\n")
     edit_runner(root, KEPT, older)
     code, out = explain_cli(capsys, root, profiles, "--explain")
     assert code == EXIT_REFUSED

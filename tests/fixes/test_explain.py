@@ -308,3 +308,26 @@ def test_gaudi_deleted_anchor(gaudi):
     assert found.best().ratio < CLOSE, found.summary()
     assert "no close match" in found.summary()
     assert "-        mask = mask >= block_usage.unsqueeze(-1)" in "\n".join(found.report())
+
+
+def test_every_refused_edit_of_a_fix_is_explained(toy, capsys):
+    """The fix is refused on its first refused edit; --explain still reports the later ones."""
+    root, profiles = toy
+    units = profiles.parent / "units"
+    two = unit_toml("toy-two", "\n" + KEPT, "\n" + KEPT + "        # beam-hpu fix toy-two: one\n")
+    two += ('\n[[edits]]\nfile = "toypkg/runner.py"\nanchor = """\n    return x + 1\n"""\n'
+            'replacement = """\n    return x + 1  # beam-hpu fix toy-two: two\n"""\n')
+    (units / "toy-two.toml").write_text(two)
+    (profiles / "two.toml").write_text(
+        f'description = "two"\nunits_dir = "{units}"\nfixes = ["toy-two"]\n'
+        '[packages.toypkg]\ndistributions = ["toypkg"]\nversion = "1.0"\ncommit = "abc1234"\n')
+    edit_runner(root, KEPT, "        kept = [t[-limit:] for t in tables if t]\n")
+    edit_runner(root, "    return x + 1\n", "    return x + 2\n")
+    code = apply_all.main(["--profile", "two", "--profiles-dir", str(profiles),
+                           "--root", f"toypkg={root}", "--explain"])
+    out = capsys.readouterr().out
+    assert code == EXIT_REFUSED
+    assert "toy-two: refused: toypkg/runner.py (edit 1): anchor not found" in out
+    assert "explain toy-two edit 1 (toypkg/runner.py)" in out
+    assert "explain toy-two edit 2 (toypkg/runner.py)" in out
+    assert f"most similar region: toypkg/runner.py:{line_of(RUNNER, '    return x + 1')} (in helper)" in out

@@ -29,11 +29,32 @@ EXIT_NOT_APPLIED = 4  # --check: some fix is not applied (or the stamp does not 
 APPLIED, ALREADY, REFUSED, WOULD_APPLY = "applied", "already applied", "refused", "not applied"
 
 
+@dataclass(frozen=True)
+class RefusedEdit:
+    """An edit the plan refused, with the text it was checked against (what --explain reads)."""
+    fix: str
+    index: int  # 1-based, in the unit's edits
+    edit: Edit
+    root: Path  # the directory holding the package
+    text: str | None  # as the plan had it (earlier fixes and edits applied); None: no file
+    why: str
+    on_disk: str | None = None  # the file as it is: line numbers for the operator come from it
+
+
+@dataclass
+class Plan:
+    texts: dict[Path, str]  # every target file as the plan leaves it
+    originals: dict[Path, str]
+    planned: list[tuple[FixUnit, str, str]]  # (unit, state, why), in profile order
+    refused_edits: list[RefusedEdit]
+
+
 @dataclass
 class Report:
     lines: list[str] = field(default_factory=list)
     states: dict[str, str] = field(default_factory=dict)  # fix name -> state
     exit_code: int = EXIT_OK
+    refused_edits: list[RefusedEdit] = field(default_factory=list)
 
     def fix(self, name: str, state: str, why: str = "") -> None:
         self.states[name] = state
@@ -57,13 +78,9 @@ def run(profile: Profile, roots: dict[str, str] | None = None,
         report.exit_code = EXIT_IMAGE
         return report
 
-    texts: dict[Path, str] = {}  # current text of every target file, as the plan leaves it
-    originals: dict[Path, str] = {}
-    planned: list[tuple[FixUnit, str, str]] = []
-    for unit in units:
-        root = installed[unit.package].root if unit.edits else Path()
-        state, why = _plan_unit(unit, root, texts, originals)
-        planned.append((unit, state, why))
+    plan = plan_units(units, {module: pkg.root for module, pkg in installed.items()})
+    texts, originals, planned = plan.texts, plan.originals, plan.planned
+    report.refused_edits = plan.refused_edits
     changed = {p: t for p, t in texts.items() if t != originals[p]}
     broken = _unparsable(changed)
     stamps = _stamps(profile, units, installed, texts, planned)
@@ -132,26 +149,48 @@ def _check_image(profile: Profile, needed: set[str], roots: dict[str, str],
     return installed
 
 
-def _plan_unit(unit: FixUnit, root: Path, texts: dict[Path, str],
-               originals: dict[Path, str]) -> tuple[str, str]:
+def plan_units(units: list[FixUnit], roots: dict[str, Path]) -> Plan:
+    """Plan the units in order on the trees (package -> directory holding it), in memory only.
+    No image check: run() does that first; benchmarks/anchor_drift.py plans other commits."""
+    plan = Plan({}, {}, [], [])
+    for unit in units:
+        if unit.edits and unit.package not in roots:
+            plan.planned.append((unit, REFUSED, f"no tree given for package {unit.package}"))
+            continue
+        root = Path(roots[unit.package]) if unit.edits else Path()
+        state, why = _plan_unit(unit, root, plan.texts, plan.originals, plan.refused_edits)
+        plan.planned.append((unit, state, why))
+    return plan
+
+
+def _plan_unit(unit: FixUnit, root: Path, texts: dict[Path, str], originals: dict[Path, str],
+               refused_edits: list[RefusedEdit]) -> tuple[str, str]:
     if not unit.edits:
         return REFUSED, f"no unit file {unit.source.name} for this fix"
     scratch: dict[Path, str] = {}
     states = []
+    first_refusal = None  # the unit is refused on it; later edits are still checked, for --explain
     for index, edit in enumerate(unit.edits, 1):
         path = root / edit.file
         if path not in texts:
             if not path.is_file():
-                return REFUSED, f"{edit.file}: no such file in {root}"
+                why = f"{edit.file}: no such file in {root}"
+                refused_edits.append(RefusedEdit(unit.name, index, edit, root, None, why, None))
+                first_refusal = first_refusal or why
+                continue
             texts[path] = originals[path] = read_text(path)
         text = scratch.get(path, texts[path])
         state, why = _edit_state(edit, text)
         if state == REFUSED:
-            return REFUSED, f"{edit.file} (edit {index}): {why}"
+            refused_edits.append(RefusedEdit(unit.name, index, edit, root, text, why, originals[path]))
+            first_refusal = first_refusal or f"{edit.file} (edit {index}): {why}"
+            continue
         if state == APPLIED:
             text = text.replace(edit.anchor, edit.replacement, 1)
         scratch[path] = text
         states.append(state)
+    if first_refusal:
+        return REFUSED, first_refusal
     if len(set(states)) > 1:
         done = [str(i) for i, s in enumerate(states, 1) if s == ALREADY]
         return REFUSED, f"partly applied (edit {', '.join(done)} of {len(states)} found applied)"

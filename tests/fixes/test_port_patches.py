@@ -97,8 +97,9 @@ def test_v030_profile_still_finds_its_fixes_after_the_port(tmp_path):
 # ---------------------------------------------------------------- decode window
 
 class Decode:
-    """The patched `if self.interleaved_sliding_window:` block of _create_decode_input_data and the
-    processor's _set_block_mapping for the window blocks, taken from the file once."""
+    """The patched `if self.interleaved_sliding_window:` block of _create_decode_input_data, the
+    window-start marks after it, and the processor's _set_block_mapping for the window blocks,
+    taken from the file once."""
 
     def __init__(self, tree, model_type, window, block_size):
         self.tree, self.window, self.block_size = tree, window, block_size
@@ -113,6 +114,9 @@ class Decode:
         self.runner.get_habana_paged_attn_buffers = paged.__get__(self.runner)
         self.block = method_body_if(tree.runner, "_create_decode_input_data", RUNNER_CLS,
                                     "self.interleaved_sliding_window")
+        # swa-decode-window marks the window starts later, before the usage goes to the device
+        self.mark = method_body_if(tree.runner, "_create_decode_input_data", RUNNER_CLS,
+                                   "self.interleaved_sliding_window and window_starts is not None")
         self.helpers = dict(exact_decode_window=load(tree.runner, "exact_decode_window"),
                             mark_window_starts=load(tree.runner, "mark_window_starts"),
                             EXACT_DECODE_WINDOW_MODELS=("gpt_oss", ))
@@ -128,6 +132,7 @@ class Decode:
         names = run_block(self.block, self.tree.runner, self=self.runner, block_tables_list=tables,
                           slot_mapping=slots, padded_batch_size=len(positions) + 1, num_tokens=1,
                           decode_block_size=bs, **self.helpers)
+        names = run_block(self.mark, self.tree.runner, **names)
         metadata = SimpleNamespace(window_block_usage=names["window_block_usage"],
                                    window_block_groups=names["window_block_groups"], block_size=bs)
         bias = self.set_mapping(SimpleNamespace(block_size=bs), metadata, len(positions) + 1, "cpu",

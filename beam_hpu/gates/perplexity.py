@@ -135,10 +135,10 @@ def cpu_passages(ep, profile, tokenizer_dir) -> dict[str, tuple[list[int], list[
     - copy passages (profile.ppl_passage_tokens long): filler, then the same filler again, scored
       on the repeat after its first token;
     - conversations in Beam's chat format (profile.ppl_conversations: kinds of
-      `beam_hpu.tiny.train.Tasks`, seeded), scored on the assistant turns."""
+      `beam_hpu.tiny.tasks.Tasks`, seeded), scored on the assistant turns."""
     from transformers import AutoTokenizer
 
-    from beam_hpu.tiny.train import Tasks
+    from beam_hpu.tiny.tasks import Tasks
 
     filler = Filler(ep, profile.pieces(), profile.seed + 11)
     out = {}

@@ -41,7 +41,7 @@ class Profile:
     max_tokens_chat: int = 512
     # perplexity / top-1 / KL
     ppl_passage_tokens: tuple = (257, 1024, 1699)
-    # CPU only: conversations in Beam's chat format (beam_hpu.tiny.train.Tasks kinds) added to the
+    # CPU only: conversations in Beam's chat format (beam_hpu.tiny.tasks.Tasks kinds) added to the
     # copy passages; see perplexity.cpu_passages.
     ppl_conversations: tuple = ()
     ppl_topk: int = 20

@@ -150,7 +150,8 @@ class Routed:
         return self.out.to(self.x.dtype)
 
 
-def expert_groups(experts: list[int], entries_of, limit: int = EXPERT_GROUP_BYTES) -> list[list[int]]:
+def expert_groups(experts: list[int], entries_of, limit: int | None = None) -> list[list[int]]:
+    limit = EXPERT_GROUP_BYTES if limit is None else limit
     groups, size = [[]], 0
     for e in experts:
         n = sum(x.nbytes for x in entries_of(e))

@@ -439,7 +439,7 @@ def write_streamed_reference(checkpoint: str | Path, passages: list[Passage], ou
             dt, nbytes = time.perf_counter() - t0, reader.bytes_read - b0
             times[plan.is_moe(i)].append(dt)
             eta = _eta(times, [plan.is_moe(x) for x in range(i + 1, n_layers)])
-            logger.info("reference: layer %d/%d (%s) %.1f s, read %.2f GB (%.2f GB/s); ETA %.1f min",
+            logger.info("reference: layer %d/%d (%s) %.1f s, read %.3f GB (%.2f GB/s); ETA %.1f min",
                         i + 1, n_layers, "MoE" if plan.is_moe(i) else "dense", dt, nbytes / 1e9,
                         nbytes / 1e9 / max(dt, 1e-9), eta / 60)
             if on_layer:
@@ -477,18 +477,24 @@ def add_arguments(p) -> None:
 def run_cli(args) -> int:
     from beam_hpu.gates.profile import get_profile
 
-    root = logging.getLogger("vllm.beam_hpu")
-    if not root.handlers and not logging.getLogger("vllm").handlers:
+    # Progress on stderr when nothing (vLLM's logging) has set a handler up.
+    log = logging.getLogger("vllm.beam_hpu.reference")
+    handler = None
+    if not logging.getLogger("vllm.beam_hpu").handlers and not logging.getLogger("vllm").handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     profile = get_profile(args.profile)
     dtype = DTYPES[args.dtype or profile.reference_dtype]
-    doc = write_streamed_reference(args.checkpoint, read_passages(args.passages), args.out, dtype=dtype,
-                                   fp8_max=args.fp8_max, workdir=args.workdir,
-                                   k=args.topk or profile.ppl_topk, profile=profile,
-                                   stop_after_layer=args.stop_after_layer)
+    try:
+        doc = write_streamed_reference(args.checkpoint, read_passages(args.passages), args.out, dtype=dtype,
+                                       fp8_max=args.fp8_max, workdir=args.workdir,
+                                       k=args.topk or profile.ppl_topk, profile=profile,
+                                       stop_after_layer=args.stop_after_layer)
+    finally:
+        if handler is not None:
+            log.removeHandler(handler)
     print(f"wrote {args.out}" if doc is not None else f"stopped after layer {args.stop_after_layer}; "
           f"run the same command again to resume")
     return 0

@@ -2,7 +2,7 @@
 
   beam-hpu tiny DIR [--preset small|wide|trained] [--dtype bfloat16|float32] [--seed N] [--fp8]
   beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--print-only]
-  beam-hpu reference CHECKPOINT --passages FILE --out REF.json [--fp8-max 448|240] [--dtype ...] [--workdir DIR]
+  beam-hpu reference CHECKPOINT (--passages FILE | --text F ...) --out REF.json [--fp8-max 448|240] [--workdir DIR]
 
 `demo` is the project's main job on a machine without Gaudi: it writes a tiny Beam checkpoint (by
 default the committed tiny trained Beam, which reasons briefly, answers and calls tools) and

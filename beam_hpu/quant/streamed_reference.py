@@ -1,11 +1,12 @@
 """The stored perplexity reference (`beam-gates-reference/1`) for a checkpoint no host can hold:
 `beam_hpu.reference`'s per-token FP8 reference computed one layer at a time.
 
-  beam-hpu reference CHECKPOINT --passages FILE --out REF.json [--fp8-max 448|240]
-      [--dtype bfloat16|float32] [--workdir DIR] [--topk 20] [--profile gaudi] [--stop-after-layer K]
+  beam-hpu reference CHECKPOINT (--passages FILE | --text F [--text F ...]) --out REF.json
+      [--fp8-max 448|240] [--dtype bfloat16|float32] [--workdir DIR] [--topk 20] [--profile gaudi]
+      [--stop-after-layer K]
 
 Passages FILE: a JSON object, passage name -> token ids, or -> {"token_ids": [...], "scored": [...]}
-(`scored` as in the reference format). The run:
+(`scored` as in the reference format); or text files, one passage each. The run:
   1. checks everything it can before reading a weight: the config, every shard header, that every
      tensor of every layer is there with the shape the model needs, the FP8 config against the
      tensors, token ids inside the vocabulary, the passages' lengths and flags;
@@ -69,6 +70,15 @@ def read_passages(path: str | Path) -> list[Passage]:
             raise ValueError(f"{path}: passage {name!r}: token ids must be a list of integers")
         out.append(Passage(name, ids, scored))
     return out
+
+
+def text_passages(checkpoint: str | Path, files: list[str]) -> list[Passage]:
+    """One passage per text file, named by its stem, tokenized as `beam_hpu.gates.perplexity.main`
+    tokenizes them (the checkpoint's tokenizer, no special tokens)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(checkpoint))
+    return [Passage(Path(f).stem, tok(Path(f).read_text(), add_special_tokens=False).input_ids) for f in files]
 
 
 @dataclass
@@ -460,7 +470,10 @@ def write_streamed_reference(checkpoint: str | Path, passages: list[Passage], ou
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint")
-    p.add_argument("--passages", required=True, help="JSON: passage name -> token ids (or {token_ids, scored})")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--passages", help="JSON: passage name -> token ids (or {token_ids, scored})")
+    src.add_argument("--text", action="append",
+                     help="a text file, one passage, tokenized with the checkpoint's tokenizer (repeatable)")
     p.add_argument("--out", required=True, help="the reference file to write (beam-gates-reference/1)")
     p.add_argument("--fp8-max", type=float, choices=[448.0, 240.0], default=None,
                    help="FP8 e4m3 range of the activation rounding: 448 (OCP, default for an FP8 checkpoint) "
@@ -487,8 +500,9 @@ def run_cli(args) -> int:
         log.setLevel(logging.INFO)
     profile = get_profile(args.profile)
     dtype = DTYPES[args.dtype or profile.reference_dtype]
+    passages = read_passages(args.passages) if args.passages else text_passages(args.checkpoint, args.text)
     try:
-        doc = write_streamed_reference(args.checkpoint, read_passages(args.passages), args.out, dtype=dtype,
+        doc = write_streamed_reference(args.checkpoint, passages, args.out, dtype=dtype,
                                        fp8_max=args.fp8_max, workdir=args.workdir,
                                        k=args.topk or profile.ppl_topk, profile=profile,
                                        stop_after_layer=args.stop_after_layer)

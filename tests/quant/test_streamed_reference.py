@@ -260,3 +260,16 @@ def test_passages_file_errors_name_the_file_and_passage(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object"):
         read_passages(bad)
+
+
+def test_text_files_are_passages_tokenized_with_the_checkpoint_tokenizer(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    text = tmp_path / "paris.txt"
+    text.write_text("the model reads a passage and writes an answer . hello world , numbers 1 2 3 42 100")
+    ids = AutoTokenizer.from_pretrained(str(tiny_pair[1]))(text.read_text(), add_special_tokens=False).input_ids
+    (tmp_path / "p.json").write_text(json.dumps({"paris": ids}))
+    a = streamed(tiny_pair[1], tmp_path / "p.json", tmp_path / "a.json", "float32")
+    assert cli(["reference", str(tiny_pair[1]), "--text", str(text), "--out", str(tmp_path / "b.json"),
+                "--dtype", "float32"]) == 0
+    assert json.loads((tmp_path / "b.json").read_text()) == a and a["passages"][0]["token_ids"] == ids

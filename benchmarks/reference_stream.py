@@ -44,6 +44,7 @@ from loader_ep8 import (  # noqa: E402  (shapes, names, cache and I/O accounting
 )
 
 from beam_hpu.loader.reader import RangeReader  # noqa: E402
+from beam_hpu.quant import reference_plan as rp  # noqa: E402
 from beam_hpu.quant import streamed_reference as sr  # noqa: E402
 from beam_hpu.quant.fp8_checkpoint import beam_fp8_quantization_config  # noqa: E402
 from beam_hpu.quant.reference_workdir import Workdir  # noqa: E402
@@ -176,10 +177,10 @@ def main() -> None:
         sys.exit(f"{directory} holds another layer mix ({cfg['mlp_layer_types']}); remove it or pass another --dir")
     lengths = [int(x) for x in args.passage_tokens.split(",")]
     g = torch.Generator().manual_seed(1)
-    passages = [sr.Passage(f"random-{n}", torch.randint(0, VOCAB, (n,), generator=g).tolist()) for n in lengths]
+    passages = [rp.Passage(f"random-{n}", torch.randint(0, VOCAB, (n,), generator=g).tolist()) for n in lengths]
     dtype = sr.DTYPES[args.dtype]
     t = time.perf_counter()
-    plan = sr.make_plan(directory, passages, dtype)
+    plan = rp.make_plan(directory, passages, dtype)
     ckpt = plan.checkpoint
     print(f"checkpoint: {len(ckpt.files)} shards, {ckpt.total_bytes / 1e9:.2f} GB ({args.dense_layers} dense + "
           f"{args.moe_layers} MoE layers of Beam-1.0 shapes, FP8); passages {lengths} tokens; dtype {args.dtype}; "

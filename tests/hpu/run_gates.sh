@@ -17,13 +17,17 @@ checkpoint, on any x86-64 Linux host with the checkpoint on a local disk (no GPU
       --out beam-501b-ref.json --fp8-max 240      # 240: Gaudi 2's FP8 range (448: OCP e4m3)
   (or --passages FILE: JSON, name -> token ids or {"token_ids": [...], "scored": [...]})
 
-It streams the checkpoint one layer at a time (the project's own reader; every byte read once),
-so memory stays at one layer's working set plus the passages' activations: peak RSS 3.4 GB
-measured on Beam-1.0-shaped layers (benchmarks/reference_stream.py); 8 GB of RAM is plenty.
-Time: one read of the 503 GB checkpoint plus the arithmetic (two forward passes per passage: the
-reference and the weight-only model its top-1 floor comes from). The arithmetic dominates on a
-small host: extrapolated from the benchmark, days on a 2-core AVX2 host in bf16 at the recipe's
-~3K tokens; use the host with the most cores you have (the work parallelises over its threads).
+It streams the checkpoint one layer at a time (the project's own reader; each tensor read once, an
+MoE layer's experts in groups), so memory is one layer's working set plus the passages'
+activations: peak RSS 3.3 GB (float32) and 4.9 GB (bfloat16) measured on Beam-1.0-shaped layers
+(benchmarks/reference_stream.py, README "Benchmarks"); a 16 GB host is plenty.
+Time: one read of the 503 GB checkpoint plus the arithmetic, two forward passes per passage (the
+reference, and the weight-only model its top-1 floor comes from) and the FP8 dequantisation of
+every weight. On a small host the arithmetic dominates: the benchmark's 52-layer extrapolation on
+a busy 2-core AVX2 host is 6 to 7.5 hours for 384 tokens, and it grows with the passages' tokens;
+use the host with the most cores you have. Without native bf16 matmuls (AVX2) a dense layer runs
+about 5x faster in --dtype float32 than in bfloat16 (the gate profile's reference precision);
+MoE layers at few tokens are bound by the FP8 dequantisation in either.
 Progress, per layer with an ETA, is logged on vllm.beam_hpu.reference.
 Resume: if it is killed or stopped (--stop-after-layer K), run the same command again: it continues
 after the newest layer saved in the workdir (--workdir, default REF.json.work: two layers' hidden

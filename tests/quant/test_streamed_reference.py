@@ -19,7 +19,8 @@ from beam_hpu.gates.profile import get_profile
 from beam_hpu.loader.checkpoint import CheckpointError
 from beam_hpu.quant import layer_stream
 from beam_hpu.quant.reference_workdir import WorkdirError
-from beam_hpu.quant.streamed_reference import Passage, make_plan, read_passages, write_streamed_reference
+from beam_hpu.quant.reference_plan import Passage, make_plan, read_passages
+from beam_hpu.quant.streamed_reference import write_streamed_reference
 from tests.quant import broken_checkpoints as broken
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,6 +2,7 @@
 
   beam-hpu tiny DIR [--preset small|wide|trained] [--dtype bfloat16|float32] [--seed N] [--fp8]
   beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--print-only]
+  beam-hpu reference CHECKPOINT (--passages FILE | --text F ...) --out REF.json [--fp8-max 448|240] [--workdir DIR]
 
 `demo` is the project's main job on a machine without Gaudi: it writes a tiny Beam checkpoint (by
 default the committed tiny trained Beam, which reasons briefly, answers and calls tools) and
@@ -144,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--fp8", action="store_true", help="serve the FP8 tiny checkpoint")
     d.add_argument("--print-only", action="store_true", help="print the serve command, do not run it")
     d.set_defaults(func=_demo)
+    r = sub.add_parser("reference", help="write the perplexity gate's stored reference, streaming the "
+                       "checkpoint layer by layer (resumable; beam_hpu.quant.streamed_reference)")
+    from beam_hpu.quant.streamed_reference import add_arguments, run_cli
+
+    add_arguments(r)
+    r.set_defaults(func=run_cli)
     args = parser.parse_args(argv)
     return args.func(args)
 

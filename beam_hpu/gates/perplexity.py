@@ -57,6 +57,12 @@ def scored_positions(ref: dict) -> list[int]:
     return [i for i in range(1, len(ref["token_ids"])) if scored is None or scored[i]]
 
 
+def check_scored(name: str, ids: list[int], scored) -> None:
+    if len(scored) != len(ids) or scored[0] or not any(scored):
+        raise ValueError(f"passage {name}: 'scored' needs one flag per token, none at position 0 and "
+                         f"at least one set")
+
+
 def reference_passage(model, ids: list[int], k: int, name: str, floor_model=None,
                       scored: list[bool] | None = None) -> dict:
     from beam_hpu.quant.reference import next_token_logprobs
@@ -71,9 +77,7 @@ def reference_passage(model, ids: list[int], k: int, name: str, floor_model=None
         rows_topk.append([[int(a), float(b)] for a, b in zip(t, v)])
     out = {"name": name, "token_ids": ids, "token_logprobs": rows_tok, "top1": rows_top1, "topk": rows_topk}
     if scored is not None:
-        if len(scored) != len(ids) or scored[0] or not any(scored):
-            raise ValueError(f"passage {name}: 'scored' needs one flag per token, none at position 0 and "
-                             f"at least one set")
+        check_scored(name, ids, scored)
         out["scored"] = [int(bool(x)) for x in scored]
     floor = 1.0
     if floor_model is not None:

@@ -67,12 +67,20 @@ def fp8_reference_experts_forward(self, hidden_states, top_k_index, top_k_weight
     """
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     for expert in top_k_index.unique().tolist():
-        tokens, slots = (top_k_index == expert).nonzero(as_tuple=True)
-        gate_up = F.linear(_round_input(hidden_states[tokens], self), self.gate_up_proj[expert].float())
-        act = self._apply_gate(gate_up.to(hidden_states.dtype))
-        y = F.linear(_round_input(act, self), self.down_proj[expert].float())
-        out.index_add_(0, tokens, y * top_k_weights[tokens, slots, None].float())
+        add_fp8_expert(self, out, expert, self.gate_up_proj[expert], self.down_proj[expert],
+                       hidden_states, top_k_index, top_k_weights)
     return out.to(hidden_states.dtype)
+
+
+def add_fp8_expert(experts, out, expert: int, gate_up, down, hidden_states, top_k_index, top_k_weights) -> None:
+    """Add expert `expert` (weights `gate_up`, `down`), computed on the tokens routed to it, into the
+    fp32 sum `out`. One function for the in-memory forward above and the layer-streaming reference
+    (`beam_hpu.quant.streamed_reference`), which holds one expert's weights at a time."""
+    tokens, slots = (top_k_index == expert).nonzero(as_tuple=True)
+    gate_up = F.linear(_round_input(hidden_states[tokens], experts), gate_up.float())
+    act = experts._apply_gate(gate_up.to(hidden_states.dtype))
+    y = F.linear(_round_input(act, experts), down.float())
+    out.index_add_(0, tokens, y * top_k_weights[tokens, slots, None].float())
 
 
 def _register_experts_impl() -> None:

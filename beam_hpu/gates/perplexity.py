@@ -96,10 +96,10 @@ def live_reference(checkpoint: str | Path, passages: dict, k: int, profile) -> d
     """`passages`: name -> token ids, or name -> (token ids, scored flags)."""
     import torch
 
-    from beam_hpu.quant.reference import _quantization_config, load_oracle, load_reference
+    from beam_hpu.quant.reference import quantization_config, load_oracle, load_reference
 
     checkpoint = Path(checkpoint)
-    fp8 = _quantization_config(checkpoint) is not None
+    fp8 = quantization_config(checkpoint) is not None
     dtype = getattr(torch, profile.reference_dtype)
     other = torch.float32 if dtype != torch.float32 else torch.bfloat16
     model = load_reference(checkpoint, dtype=dtype) if fp8 else load_oracle(checkpoint, dtype)

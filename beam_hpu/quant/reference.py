@@ -55,7 +55,7 @@ def _round_input(x: torch.Tensor, module) -> torch.Tensor:
     return x.float() if quant is None else quant(x)
 
 
-def _linear_input_hook(module, args):
+def linear_input_hook(module, args):
     return (_round_input(args[0], module).to(args[0].dtype),) + tuple(args[1:])
 
 
@@ -89,7 +89,7 @@ def _register_experts_impl() -> None:
     ExpertsInterface.register(EXPERTS_IMPL, fp8_reference_experts_forward)
 
 
-def _quantization_config(checkpoint_dir: Path):
+def quantization_config(checkpoint_dir: Path):
     from compressed_tensors.quantization import QuantizationConfig
 
     qc = json.loads((checkpoint_dir / "config.json").read_text()).get("quantization_config")
@@ -115,7 +115,7 @@ def _dequantised_model(checkpoint_dir: Path, tensors: dict, dtype: torch.dtype):
                                            dtype=dtype, experts_implementation="eager").eval()
 
 
-def _quantised_modules(model, checkpoint_dir: Path, tensor_names, qconfig):
+def quantised_modules(model, checkpoint_dir: Path, tensor_names, qconfig):
     """The HF modules whose weights the checkpoint stores in FP8: linears, and experts modules.
 
     Class-based matching on the model must agree with the tensors on disk; a disagreement (e.g.
@@ -155,15 +155,15 @@ def load_reference(checkpoint_dir: str | Path, fp8_max: float = FP8_E4M3FN_MAX, 
     per-token FP8 activations into every quantised matmul; everything else computed in `dtype`
     (fp32 by default; bf16 to compare with a server that computes in bf16)."""
     checkpoint_dir = Path(checkpoint_dir)
-    qconfig = _quantization_config(checkpoint_dir)
+    qconfig = quantization_config(checkpoint_dir)
     if qconfig is None:
         raise ValueError(f"{checkpoint_dir}/config.json has no quantization_config: not an FP8 checkpoint")
     tensors = load_checkpoint_tensors(checkpoint_dir)
     names = list(tensors)
     model = _dequantised_model(checkpoint_dir, tensors, dtype)
-    linears, experts = _quantised_modules(model, checkpoint_dir, names, qconfig)
+    linears, experts = quantised_modules(model, checkpoint_dir, names, qconfig)
     for linear in linears:
-        linear.register_forward_pre_hook(_linear_input_hook)
+        linear.register_forward_pre_hook(linear_input_hook)
     _register_experts_impl()
     model.set_experts_implementation(EXPERTS_IMPL)
     model.beam_fp8_modules = linears + experts
@@ -181,7 +181,7 @@ def load_oracle(checkpoint_dir: str | Path, dtype: torch.dtype = torch.bfloat16)
     from transformers.models.beam import BeamForCausalLM
 
     checkpoint_dir = Path(checkpoint_dir)
-    if _quantization_config(checkpoint_dir) is not None:
+    if quantization_config(checkpoint_dir) is not None:
         return _dequantised_model(checkpoint_dir, load_checkpoint_tensors(checkpoint_dir), dtype)
     return BeamForCausalLM.from_pretrained(str(checkpoint_dir), dtype=dtype, experts_implementation="eager").eval()
 

@@ -16,9 +16,9 @@ import torch
 from beam_hpu.gates.perplexity import check_scored
 from beam_hpu.loader.checkpoint import CheckpointError, open_checkpoint
 from beam_hpu.quant import layer_stream as ls
-from beam_hpu.reference import FP8_E4M3FN_MAX, _linear_input_hook, _quantised_modules
+from beam_hpu.quant.reference import FP8_E4M3FN_MAX, linear_input_hook, quantised_modules
 
-logger = logging.getLogger("vllm.beam_hpu.reference")
+logger = logging.getLogger("vllm.beam_hpu.quant.reference")
 
 
 @dataclass
@@ -92,14 +92,14 @@ def _skeleton(config_dict: dict, dtype: torch.dtype):
 
 def make_plan(checkpoint_dir: str | Path, passages: list[Passage], dtype: torch.dtype = torch.bfloat16,
               fp8_max: float | None = None) -> Plan:
-    from beam_hpu.reference import _quantization_config
+    from beam_hpu.quant.reference import quantization_config
 
     checkpoint_dir = Path(checkpoint_dir)
     try:
         config_dict = json.loads((checkpoint_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{checkpoint_dir}/config.json: {e}") from None
-    qconfig = _quantization_config(checkpoint_dir)
+    qconfig = quantization_config(checkpoint_dir)
     fp8 = qconfig is not None
     if fp8_max is not None and not fp8:
         raise ValueError(f"--fp8-max {fp8_max:g}: {checkpoint_dir}/config.json has no quantization_config, "
@@ -149,7 +149,7 @@ def _check_passages(passages: list[Passage], config) -> None:
 
 def _check_tensors(plan: Plan, checkpoint_dir: Path, qconfig) -> None:
     """Every tensor the model needs is in the header table with the shape it needs; the FP8
-    config agrees with the tensors (`beam_hpu.reference._quantised_modules`)."""
+    config agrees with the tensors (`beam_hpu.quant.reference.quantised_modules`)."""
     model = next(iter(plan.skeletons.values()))
     tensors = plan.checkpoint.tensors
     needed: dict[str, tuple] = {}
@@ -169,9 +169,9 @@ def _check_tensors(plan: Plan, checkpoint_dir: Path, qconfig) -> None:
                 needed.update({f"{p}.gate_proj.weight": (inter, h), f"{p}.up_proj.weight": (inter, h),
                                f"{p}.down_proj.weight": (h, inter)})
     if plan.fp8:
-        linears, experts = _quantised_modules(model, checkpoint_dir, list(tensors), qconfig)
+        linears, experts = quantised_modules(model, checkpoint_dir, list(tensors), qconfig)
         for m in linears:
-            m.register_forward_pre_hook(_linear_input_hook)
+            m.register_forward_pre_hook(linear_input_hook)
         scales = [n for n in tensors if n.endswith(".weight_scale")]
         for n in scales:
             needed[n] = (needed[n.removesuffix("_scale")][0], 1)

@@ -29,7 +29,7 @@ RUN_FILE = "run.json"
 KEEP_LAYER_FILES = 2
 _LAYER_FILE = re.compile(r"^layer-(\d{4})\.safetensors$")
 
-logger = logging.getLogger("vllm.beam_hpu.reference")
+logger = logging.getLogger("vllm.beam_hpu.quant.reference")
 
 
 class WorkdirError(ValueError):

@@ -1,5 +1,5 @@
 """The stored perplexity reference (`beam-gates-reference/1`) for a checkpoint no host can hold:
-`beam_hpu.reference`'s per-token FP8 reference computed one layer at a time.
+`beam_hpu.quant.reference`'s per-token FP8 reference computed one layer at a time.
 
   beam-hpu reference CHECKPOINT (--passages FILE | --text F [--text F ...]) --out REF.json
       [--fp8-max 448|240] [--dtype bfloat16|float32] [--workdir DIR] [--topk 20] [--profile gaudi]
@@ -14,7 +14,7 @@ Passages FILE: a JSON object, passage name -> token ids, or -> {"token_ids": [..
   3. per layer: reads that layer's tensors (the project's checkpoint reader: header table, preadv
      of byte runs, no mmap), runs both streams (the reference and its top-1 floor model, see
      `layer_stream.Stream`) of every passage through it, frees it, saves the hidden states to the
-     workdir (`reference_workdir`), logs time, bytes and an ETA on `vllm.beam_hpu.reference`;
+     workdir (`reference_workdir`), logs time, bytes and an ETA on `vllm.beam_hpu.quant.reference`;
   4. final norm and LM head in vocabulary slices (log-sum-exp, top-k and the tokens' logits merged
      over slices), and writes the file the perplexity gate reads.
 Memory: one layer's tensors (an MoE layer: its attention and router, and two groups of experts of
@@ -40,16 +40,16 @@ from beam_hpu.loader.reader import RangeReader
 from beam_hpu.quant import layer_stream as ls
 from beam_hpu.quant.reference_plan import Passage, Plan, make_plan, read_passages, text_passages
 from beam_hpu.quant.reference_workdir import Workdir
-from beam_hpu.reference import FP8_E4M3FN_MAX, set_activation_quant
+from beam_hpu.quant.reference import FP8_E4M3FN_MAX, set_activation_quant
 
-logger = logging.getLogger("vllm.beam_hpu.reference")
+logger = logging.getLogger("vllm.beam_hpu.quant.reference")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # fp32 LM-head rows per vocabulary slice, in bytes.
 VOCAB_SLICE_BYTES = 256 << 20
 
 
 def _dequantised(plan: Plan, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # compressed-tensors' own dequantiser, as in beam_hpu.reference (it pops what it consumes).
+    # compressed-tensors' own dequantiser, as in beam_hpu.quant.reference (it pops what it consumes).
     return plan.dequantizer.process(dict(raw)) if plan.fp8 else raw
 
 
@@ -157,7 +157,7 @@ def _expert_weights(plan: Plan, raw: dict, i: int, e: int, dtype: torch.dtype):
 @torch.no_grad()
 def head(plan: Plan, states: dict[str, torch.Tensor], reader: RangeReader, k: int) -> dict:
     """Final norm, LM head in vocabulary slices, soft-cap and log-softmax as BeamForCausalLM and
-    `beam_hpu.reference.next_token_logprobs` compute them; per stream and passage: the token's
+    `beam_hpu.quant.reference.next_token_logprobs` compute them; per stream and passage: the token's
     logprob, top-k, and top-1 at every position."""
     from transformers.models.beam.modeling_beam import BeamRMSNorm
 
@@ -208,7 +208,7 @@ def reference_document(plan: Plan, heads: dict, k: int, profile, checkpoint: str
     """The `beam-gates-reference/1` document, as `beam_hpu.gates.perplexity.live_reference` writes it."""
     ref = plan.streams[0]
     dtype_name = {v: n for n, v in DTYPES.items()}[ref.dtype]
-    name = "per-token FP8 reference (beam_hpu.reference)" if plan.fp8 else "transformers Beam"
+    name = "per-token FP8 reference (beam_hpu.quant.reference)" if plan.fp8 else "transformers Beam"
     if plan.fp8 and ref.fp8_max != FP8_E4M3FN_MAX:
         name += f", fp8_max {ref.fp8_max:g}"
     passages = []
@@ -312,7 +312,7 @@ def run_cli(args) -> int:
     from beam_hpu.gates.profile import get_profile
 
     # Progress on stderr when nothing (vLLM's logging) has set a handler up.
-    log = logging.getLogger("vllm.beam_hpu.reference")
+    log = logging.getLogger("vllm.beam_hpu.quant.reference")
     handler = None
     if not logging.getLogger("vllm.beam_hpu").handlers and not logging.getLogger("vllm").handlers:
         handler = logging.StreamHandler()

@@ -28,7 +28,7 @@ a busy 2-core AVX2 host is 6 to 7.5 hours for 384 tokens, and it grows with the 
 use the host with the most cores you have. Without native bf16 matmuls (AVX2) a dense layer runs
 about 5x faster in --dtype float32 than in bfloat16 (the gate profile's reference precision);
 MoE layers at few tokens are bound by the FP8 dequantisation in either.
-Progress, per layer with an ETA, is logged on vllm.beam_hpu.reference.
+Progress, per layer with an ETA, is logged on vllm.beam_hpu.quant.reference.
 Resume: if it is killed or stopped (--stop-after-layer K), run the same command again: it continues
 after the newest layer saved in the workdir (--workdir, default REF.json.work: two layers' hidden
 states, ~0.3 GB at 3K tokens); a truncated or corrupt layer file fails its checksum and is

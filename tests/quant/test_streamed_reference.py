@@ -118,7 +118,7 @@ def test_stopped_after_layer_k_and_resumed_writes_the_same_file(tiny_pair, passa
                                     on_layer=lambda i, *_: done.append(i)) is None
     assert done == [0, 1, 2] and not out.exists()
     assert sorted(p.name for p in work.glob("layer-*")) == ["layer-0001.safetensors", "layer-0002.safetensors"]
-    with caplog.at_level(logging.INFO, logger="vllm.beam_hpu.reference"):
+    with caplog.at_level(logging.INFO, logger="vllm.beam_hpu.quant.reference"):
         doc = write_streamed_reference(checkpoint, ps, out, dtype=torch.float32, workdir=work,
                                        on_layer=lambda i, *_: done.append(i))
     assert done == [0, 1, 2, 3, 4, 5]  # the resumed run computed only the missing layers
@@ -164,7 +164,7 @@ def test_a_damaged_layer_file_is_recomputed_never_used(tiny_pair, passages_file,
         data = data[: len(data) - 1000]
     victim.write_bytes(bytes(data))
     done = []
-    with caplog.at_level(logging.WARNING, logger="vllm.beam_hpu.reference"):
+    with caplog.at_level(logging.WARNING, logger="vllm.beam_hpu.quant.reference"):
         doc = write_streamed_reference(checkpoint, ps, out, dtype=torch.float32, workdir=work,
                                        on_layer=lambda i, *_: done.append(i))
     assert done == [3, 4, 5]  # from the layer-2 file, the one before the damaged one

@@ -125,14 +125,15 @@ def gate_plugin() -> str:
 
 def gate_registrations() -> str:
     import beam_hpu
+    from beam_hpu.names import ARCH
     from vllm import ModelRegistry
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
 
     beam_hpu.register()
     problems = []
-    if beam_hpu.ARCH not in ModelRegistry.get_supported_archs():
-        problems.append(f"{beam_hpu.ARCH} is not a registered architecture")
+    if ARCH not in ModelRegistry.get_supported_archs():
+        problems.append(f"{ARCH} is not a registered architecture")
     from vllm.model_executor import model_loader
 
     if "beam" not in model_loader._LOAD_FORMAT_TO_MODEL_LOADER:  # register_model_loader's table
@@ -145,7 +146,7 @@ def gate_registrations() -> str:
         raise AssertionError("; ".join(problems))
     ReasoningParserManager.get_reasoning_parser("beam")
     ToolParserManager.get_tool_parser("beam")
-    return f"{beam_hpu.ARCH}, --load-format beam, reasoning and tool parser beam (both import)"
+    return f"{ARCH}, --load-format beam, reasoning and tool parser beam (both import)"
 
 
 def gate_config() -> str:

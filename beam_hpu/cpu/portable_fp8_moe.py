@@ -7,8 +7,8 @@ NONE and loading stops with `Unsupported FP8 MoE backend: NONE`.
 
 `PortableFp8MoEMethod` takes over exactly there (backend NONE, channel weights, dynamic token
 activations) and computes what an FP8 expert kernel computes:
-  x -> per-token FP8 (beam_hpu.quant.rounding, in the rounding BEAM_EXACT_ROUNDING names) -> FP8 x FP8 GEMM with
-  fp32 accumulate (torch._scaled_mm) -> * token scale * channel scale -> SwiGLU in fp32 ->
+  x -> per-token FP8 (beam_hpu.quant.rounding, as switch BEAM_EXACT_ROUNDING says) -> FP8 x FP8
+  GEMM with fp32 accumulate (torch._scaled_mm) -> * token scale * channel scale -> SwiGLU in fp32 ->
   per-token FP8 again -> down GEMM likewise -> weighted sum over the token's experts in fp32.
 Weights stay FP8 in memory; nothing is upcast ahead of time.
 

@@ -28,10 +28,9 @@ layer = torch.nn.Module()
 layer.weight = torch.nn.Parameter(torch.tensor(spec["w"]).to(torch.float8_e4m3fn).t(), requires_grad=False)
 layer.weight_scale = torch.nn.Parameter(torch.tensor(spec["ws"]), requires_grad=False)
 names = ["weight", "weight_scale", "input_scale", "input_scale_ub"]
-out = {}
 with set_current_vllm_config(VllmConfig()):
     stock = ChannelWiseTorchFP8ScaledMMLinearKernel(config, names)
-    cpu_fp8_dense_rounding.install()
+    cpu_fp8_dense_rounding.install()  # the kernel made before keeps vLLM's QuantFP8
     patched = ChannelWiseTorchFP8ScaledMMLinearKernel(config, names)
 x = torch.tensor(spec["x"])
 out = {"stock": stock.apply_weights(layer, x).tolist(), "patched": patched.apply_weights(layer, x).tolist()}

@@ -7,8 +7,8 @@ NONE and loading stops with `Unsupported FP8 MoE backend: NONE`.
 
 `PortableFp8MoEMethod` takes over exactly there (backend NONE, channel weights, dynamic token
 activations) and computes what an FP8 expert kernel computes:
-  x -> per-token FP8 (vLLM's own QuantFP8, as its dense FP8 layers do) -> FP8 x FP8 GEMM with
-  fp32 accumulate (torch._scaled_mm) -> * token scale * channel scale -> SwiGLU in fp32 ->
+  x -> per-token FP8 (beam_hpu.quant.rounding, as switch BEAM_EXACT_ROUNDING says) -> FP8 x FP8
+  GEMM with fp32 accumulate (torch._scaled_mm) -> * token scale * channel scale -> SwiGLU in fp32 ->
   per-token FP8 again -> down GEMM likewise -> weighted sum over the token's experts in fp32.
 Weights stay FP8 in memory; nothing is upcast ahead of time.
 
@@ -28,10 +28,22 @@ experts held elsewhere); the method computes only local experts and the MoE runn
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch
 
 from beam_hpu.model.ops import swiglu_fp32
+from beam_hpu.quant.rounding import FP8_E4M3FN_MAX, per_token_fp8
+from beam_hpu.settings import switches
+
+
+def activation_quantiser(env: Mapping[str, str] | None = None):
+    """x -> (e4m3fn, fp32 scale [T, 1]) per token, in the rounding switch BEAM_EXACT_ROUNDING names
+    (1: the per-token reference's, 0: vllm-gaudi's fast path), so a served CPU engine and the
+    reference loaded with the same `exact` round alike. Range: the CPU's e4m3fn, 448."""
+    return functools.partial(per_token_fp8, fp8_max=FP8_E4M3FN_MAX,
+                             exact=switches.current("BEAM_EXACT_ROUNDING", env))
+
 
 def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
     """Global expert ids [T, k] -> this rank's local ids (-1: held by another rank)."""
@@ -79,11 +91,9 @@ def _method_class():
         """W8A8 FP8 experts (channel weights, dynamic per-token activations) without a native kernel."""
 
         def __init__(self, weight_quant, input_quant, moe, layer_name=None):
-            from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
-            from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
-
             super().__init__(weight_quant, input_quant, moe, layer_name)
-            self.quant_per_token = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
+            # Read once per layer at load: an engine's environment does not change while it runs.
+            self.quant_per_token = activation_quantiser()
 
         @property
         def is_monolithic(self) -> bool:

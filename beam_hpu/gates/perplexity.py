@@ -92,19 +92,24 @@ def _ids_and_scored(passage) -> tuple[list[int], list[bool] | None]:
     return (passage[0], passage[1]) if isinstance(passage, tuple) else (passage, None)
 
 
-def live_reference(checkpoint: str | Path, passages: dict, k: int, profile) -> dict:
-    """`passages`: name -> token ids, or name -> (token ids, scored flags)."""
+def live_reference(checkpoint: str | Path, passages: dict, k: int, profile, exact: bool | None = None) -> dict:
+    """`passages`: name -> token ids, or name -> (token ids, scored flags). `exact`: the FP8
+    reference's activation rounding (beam_hpu.quant.rounding); None = BEAM_EXACT_ROUNDING as set
+    here, which should be the server's, so that served and reference round alike."""
     import torch
 
-    from beam_hpu.quant.reference import quantization_config, load_oracle, load_reference
+    from beam_hpu.quant.reference import load_oracle, load_reference, quantization_config
+    from beam_hpu.settings import switches
 
     checkpoint = Path(checkpoint)
     fp8 = quantization_config(checkpoint) is not None
     dtype = getattr(torch, profile.reference_dtype)
     other = torch.float32 if dtype != torch.float32 else torch.bfloat16
-    model = load_reference(checkpoint, dtype=dtype) if fp8 else load_oracle(checkpoint, dtype)
+    exact = switches.current("BEAM_EXACT_ROUNDING") if exact is None else exact
+    model = load_reference(checkpoint, dtype=dtype, exact=exact) if fp8 else load_oracle(checkpoint, dtype)
     floor_model = load_oracle(checkpoint, dtype if fp8 else other)
-    name = "per-token FP8 reference (beam_hpu.quant.reference)" if fp8 else "transformers Beam"
+    name = (f"per-token FP8 reference (beam_hpu.quant.reference, BEAM_EXACT_ROUNDING={int(exact)})" if fp8
+            else "transformers Beam")
     return {"format": FORMAT, "model": str(checkpoint), "reference": f"{name}, {profile.reference_dtype}",
             "topk": k, "gates": {"ppl_rel": profile.ppl_rel_gate, "kl": profile.kl_gate,
                                  "top1_margin": profile.top1_margin},

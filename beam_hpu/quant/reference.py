@@ -5,7 +5,9 @@
 - the input of every quantised linear rounded to FP8 e4m3 per token (one absmax scale per row,
   mapped to +-`fp8_max`) before an fp32 matmul: exactly what a W8A8 kernel with fp32 accumulate
   computes, so the only roundings left are the FP8 ones the checkpoint implies.
-`fp8_max` is 448 for OCP e4m3fn (CPU, CUDA) and 240 for Gaudi 2's e4m3.
+`fp8_max` is 448 for OCP e4m3fn (CPU, CUDA) and 240 for Gaudi 2's e4m3. `exact` picks the
+rounding (beam_hpu.quant.rounding): the reference's own (x / scale, the default) or the device's
+fast path (x * (1 / scale) after a scale of (amax + 1e-8) / fp8_max), as BEAM_EXACT_ROUNDING does.
 
 Where the activation rounding is inserted, and why there:
 - Dense linears (attention q/k/v/o and output gate, dense MLP) are `nn.Linear` modules: a forward
@@ -30,24 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from beam_hpu.quant.fp8_checkpoint import load_checkpoint_tensors
+# fake_quant_per_token, the two FP8 ranges: re-exported, callers import them from here too.
+from beam_hpu.quant.rounding import FP8_E4M3FN_MAX, GAUDI2_FP8_MAX, fake_quant_per_token  # noqa: F401
 
-FP8_E4M3FN_MAX = 448.0  # OCP e4m3fn: CPU and CUDA
-GAUDI2_FP8_MAX = 240.0  # Gaudi 2's e4m3 range
 EXPERTS_IMPL = "beam_fp8_reference"
 INPUT_QUANT_ATTR = "beam_fp8_input_quant"
-
-
-def fake_quant_per_token(x: torch.Tensor, fp8_max: float = FP8_E4M3FN_MAX) -> torch.Tensor:
-    """Round each row of `x` to FP8 e4m3 with its own absmax scale; return the values in fp32.
-
-    Written here rather than taken from compressed-tensors because the range must be a
-    parameter (240 on Gaudi 2) and the library's per-token path reduces 2-D inputs per tensor.
-    """
-    xf = x.float()
-    # An all-zero row would give scale 0; any positive scale rounds it to zeros.
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / fp8_max
-    q = (xf / scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
-    return q.float() * scale
 
 
 def _round_input(x: torch.Tensor, module) -> torch.Tensor:
@@ -143,17 +132,20 @@ def quantised_modules(model, checkpoint_dir: Path, tensor_names, qconfig):
     return list(linears.values()), list(experts.values())
 
 
-def set_activation_quant(model, fp8_max: float | None) -> None:
-    """Round the inputs of every quantised linear and expert to FP8 (`fp8_max`), or not (None)."""
-    quant = None if fp8_max is None else partial(fake_quant_per_token, fp8_max=fp8_max)
+def set_activation_quant(model, fp8_max: float | None, exact: bool = True) -> None:
+    """Round the inputs of every quantised linear and expert to FP8 (`fp8_max`), or not (None);
+    `exact`: the reference's rounding, or the device's fast path (beam_hpu.quant.rounding)."""
+    quant = None if fp8_max is None else partial(fake_quant_per_token, fp8_max=fp8_max, exact=exact)
     for module in model.beam_fp8_modules:
         setattr(module, INPUT_QUANT_ATTR, quant)
 
 
-def load_reference(checkpoint_dir: str | Path, fp8_max: float = FP8_E4M3FN_MAX, dtype: torch.dtype = torch.float32):
+def load_reference(checkpoint_dir: str | Path, fp8_max: float = FP8_E4M3FN_MAX, dtype: torch.dtype = torch.float32,
+                   exact: bool = True):
     """The per-token FP8 reference for a compressed-tensors FP8 Beam checkpoint: FP8 weights and
     per-token FP8 activations into every quantised matmul; everything else computed in `dtype`
-    (fp32 by default; bf16 to compare with a server that computes in bf16)."""
+    (fp32 by default; bf16 to compare with a server that computes in bf16). `exact=False` rounds
+    activations as the device's fast path does (BEAM_EXACT_ROUNDING=0), to compare like with like."""
     checkpoint_dir = Path(checkpoint_dir)
     qconfig = quantization_config(checkpoint_dir)
     if qconfig is None:
@@ -167,7 +159,7 @@ def load_reference(checkpoint_dir: str | Path, fp8_max: float = FP8_E4M3FN_MAX, 
     _register_experts_impl()
     model.set_experts_implementation(EXPERTS_IMPL)
     model.beam_fp8_modules = linears + experts
-    set_activation_quant(model, fp8_max)
+    set_activation_quant(model, fp8_max, exact)
     return model
 
 

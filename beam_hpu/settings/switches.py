@@ -88,12 +88,17 @@ SWITCHES: dict[str, Switch] = _switches(
         "BEAM_EXACT_ROUNDING",
         "0",
         parse_bool,
-        "Rounding of the dynamic per-token FP8 activation quantisation in the FP8 linears and "
-        "MoE. 1 rounds every activation to FP8 exactly as the CPU per-token FP8 reference does "
-        "(round to nearest, ties to even, after the same fp32 scale), at the cost of extra "
-        "device ops per quantised input; use it to compare logits with the reference bit for "
-        "bit. 0 uses the device's fused cast, which the recipe was verified with (perplexity "
-        "within 0.25% of the reference, KL at most 0.0102).",
+        "Rounding of the dynamic per-token FP8 activation quantisation "
+        "(beam_hpu.quant.rounding.per_token_fp8). 1: as the per-token FP8 reference rounds: "
+        "scale = amax / FP8 max in fp32, x / scale, rounded to nearest, ties to even. 0: as "
+        "vllm-gaudi's dynamic_quant on the device, what the recipe runs: scale = (amax + 1e-8) / "
+        "FP8 max computed in the activation's dtype (with bf16 activations a bf16 scale), x times "
+        "the reciprocal of the scale, rounded to nearest even, saturated at the FP8 max. Read on "
+        "CPU, where the range is 448, by the portable FP8 experts and, through the runtime patch "
+        "cpu-fp8-dense-rounding, by vLLM-CPU's dense FP8 linears; the live perplexity reference "
+        "(beam_hpu.gates.perplexity) rounds in the mode set where it runs, to compare like with "
+        "like. On HPU the port changes nothing: vllm-gaudi's own path (the rounding of 0, range "
+        "240 on Gaudi 2) runs with either value.",
     ),
     Switch(
         "BEAM_PREFILL_INFLIGHT",

@@ -18,14 +18,16 @@ def cpu_env(tp: int = 1) -> dict:
     return dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(REPO), **engine_env(tp))
 
 
-def run_engine(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="auto", timeout=900, **kw) -> list:
-    """Start one engine in a subprocess, run the jobs, return their results (see engine_run.py)."""
+def run_engine(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="auto", timeout=900, env=None,
+               **kw) -> list:
+    """Start one engine in a subprocess, run the jobs, return their results (see engine_run.py).
+    `env`: variables set for the engine process on top of this one's (e.g. a port switch)."""
     spec = dict(model=str(model), jobs=jobs, dtype=dtype, tp=tp, ep=ep, load_format=load_format, **kw)
     with tempfile.TemporaryDirectory() as d:
         spec_path, out_path = Path(d, "spec.json"), Path(d, "out.json")
         spec_path.write_text(json.dumps(spec))
         proc = subprocess.run([sys.executable, "-m", "tests.support.engine_run", str(spec_path), str(out_path)],
-                              cwd=REPO, env=cpu_env(tp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              cwd=REPO, env=dict(cpu_env(tp), **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=timeout)
         if proc.returncode != 0:
             # vLLM logs worker tracebacks on stdout: keep both streams, whole, for the failure message.

@@ -1,0 +1,58 @@
+"""Dynamic per-token FP8 activation quantisation in its two roundings (switch BEAM_EXACT_ROUNDING).
+
+One function serves the portable CPU FP8 experts (beam_hpu.cpu.portable_fp8_moe, in the mode the
+switch names) and the per-token FP8 reference (beam_hpu.quant.reference, `exact=`), so that a
+served model and its reference can be compared in the same rounding.
+
+exact=True, the reference's rounding: scale = amax / fp8_max in fp32 (an all-zero row gets a tiny
+  positive amax instead of 0/0), then x / scale, rounded to the nearest e4m3 value, ties to even.
+exact=False, vllm-gaudi's fast path (`extension/ops.py::dynamic_quant`, what the recipe runs):
+  scale = (amax + 1e-8) / fp8_max, computed by torch in the activation's own dtype (bf16 on the
+  recipe: amax + 1e-8 and the division round to bf16), then `cast_to_fp8_v2(x, 1.0 / scale)`:
+  the activation times the reciprocal of the scale (the reciprocal also in the activation's
+  dtype), rounded to e4m3 (stochastic rounding off), saturated at +-fp8_max. That the cast
+  multiplies in fp32 and saturates is our model of the Gaudi kernel; nothing here runs on one.
+
+Where the two differ: (a) x * (1 / s) and x / s are different fp32 numbers now and then, and
+one step of e4m3 apart when a rounding boundary falls between them; (b) in a row whose amax is
+not large against 1e-8 the fast scale is larger, so the row uses less of the FP8 range; (c) with
+bf16 activations the fast scale is a bf16 number. Elsewhere they agree element for element.
+`fp8_max` is 448 for OCP e4m3fn (CPU, CUDA) and 240 on Gaudi 2 (vllm-gaudi's FP8_MAX there).
+Written here rather than taken from compressed-tensors or vLLM because the range must be a
+parameter (240 on Gaudi 2), the library's per-token path reduces 2-D inputs per tensor, and
+vLLM's QuantFP8 has a third rounding (x * (1 / scale), no 1e-8, scale floored at 1/(448*512)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_E4M3FN_MAX = 448.0  # OCP e4m3fn: CPU and CUDA
+GAUDI2_FP8_MAX = 240.0  # Gaudi 2's e4m3 range
+# vllm-gaudi's dynamic_quant adds this to every row's amax before dividing by FP8_MAX.
+FAST_PATH_AMAX_EPSILON = 1e-8
+# The reference's amax for an all-zero row: any positive scale rounds the row to zeros.
+EXACT_ZERO_ROW_AMAX = 1e-12
+
+
+def per_token_fp8(x: torch.Tensor, fp8_max: float, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `x` (last dim) to FP8 e4m3 with its own scale: (e4m3fn values, fp32 scale [..., 1]).
+
+    `q.float() * scale` approximates `x`; see the module doc for `exact`.
+    """
+    if exact:
+        xf = x.float()
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(EXACT_ZERO_ROW_AMAX) / fp8_max
+        scaled = xf / scale
+    else:
+        # Same op order and dtype as dynamic_quant: the scale's roundings are part of the path.
+        scale = (x.abs().amax(dim=-1, keepdim=True) + FAST_PATH_AMAX_EPSILON) / fp8_max
+        scaled = x.float() * (1.0 / scale).float()
+        scale = scale.float()
+    return scaled.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn), scale
+
+
+def fake_quant_per_token(x: torch.Tensor, fp8_max: float = FP8_E4M3FN_MAX, exact: bool = True) -> torch.Tensor:
+    """`x` rounded per token to FP8 as `per_token_fp8` does, returned as fp32 values."""
+    q, scale = per_token_fp8(x, fp8_max, exact)
+    return q.float() * scale

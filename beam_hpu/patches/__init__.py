@@ -108,6 +108,19 @@ INDEX: tuple[RuntimePatch, ...] = (
         remove_when="vLLM's CPU unquantised experts honour expert_map.",
         upstream="none filed",
     ),
+    RuntimePatch(
+        name="prefill-inflight",
+        module="prefill_inflight",
+        targets=("vllm.v1.core.sched.scheduler.Scheduler.schedule",),
+        platform="any",
+        why="vLLM's scheduler serves its running requests in admission order and preempts from the "
+            "end: a prompt admitted before some decodes takes the step's token budget from them and "
+            "evicts them to grow (BEAM_PREFILL_INFLIGHT, beam_hpu.hpu.prefill_inflight).",
+        how="With BEAM_PREFILL_INFLIGHT=1, reorders Scheduler.running decodes first (each group in "
+            "its order) before the stock schedule() runs; with 0 calls it unchanged.",
+        remove_when="vLLM's scheduler gives running decodes precedence over prefill chunks.",
+        upstream="none filed",
+    ),
 )
 
 

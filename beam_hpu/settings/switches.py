@@ -104,12 +104,20 @@ SWITCHES: dict[str, Switch] = _switches(
         "BEAM_PREFILL_INFLIGHT",
         "1",
         parse_bool,
-        "Whether the runner keeps a step's prefill forwards in flight: with 1 it prepares the "
-        "next prefill chunk's host-side inputs while the device still runs the current one, "
-        "instead of waiting for each prefill forward before building the next. A 250K-token "
-        "prompt is about 62 chunks of 4,096 tokens, so the host preparation is otherwise paid "
-        "62 times in series. 0 restores vllm-gaudi's one-at-a-time order, for bisecting a hang "
-        "or a wrong result to the overlap.",
+        "Whether running decodes stay in flight while a prompt prefills. With 1 (runtime patch "
+        "prefill-inflight, beam_hpu.hpu.prefill_inflight) vLLM's scheduler takes its running "
+        "requests decodes first, then those still prefilling, before every step: every running "
+        "decode gets its token in each step that carries a prefill chunk (the chunk takes the "
+        "budget left over), and when KV blocks run out the scheduler frees a prefilling request "
+        "(the newest first; a prompt that cannot grow frees its own blocks and waits to be "
+        "recomputed) before it preempts a decode, so the prompt, not the decodes, pays for a full "
+        "pool. 0 keeps vLLM's admission order, in which a prompt admitted before some decodes "
+        "(in vLLM 0.30.0 when --long-prefill-token-threshold caps its chunks) takes the budget "
+        "first and preempts those decodes to grow; decodes already running when the prompt "
+        "arrives, as in the stress gate, stand before it either way. Under --scheduling-policy "
+        "priority victims go by priority and only the order of the budget holds. vllm-gaudi's "
+        "runner runs whatever a step carries (its prefills one by one, then its decodes), so the "
+        "choice is the scheduler's, on HPU and CPU alike.",
     ),
     Switch(
         "BEAM_FSDPA_WS_GIB",

@@ -20,9 +20,9 @@ PACKAGE = REPO / "beam_hpu"
 READER_FUNCTIONS = {"current", "read_switch"}
 # Launch policies: the guard rule is what they govern (beam_hpu/settings/guards.py).
 GUARD_ONLY = {"BEAM_ALLOW_EAGER"}
-# Switches the recipe sets that no code acts on yet (issue 14: BEAM_PREFILL_INFLIGHT undefined in
-# the recipe, BEAM_EXACT_ROUNDING not implemented on the served path).
-UNREAD = {"BEAM_EXACT_ROUNDING", "BEAM_PREFILL_INFLIGHT"}
+# Switches the recipe sets that no code acts on yet (issue 14: BEAM_EXACT_ROUNDING not implemented
+# on the served path).
+UNREAD: set[str] = set()
 
 
 def _names_read_by_calls(source: str) -> set[str]:

@@ -1,0 +1,28 @@
+"""Runtime patch `prefill-inflight`: with BEAM_PREFILL_INFLIGHT=1, vLLM's scheduler sees its running
+requests decodes first before every step (beam_hpu.hpu.prefill_inflight says what that buys and
+why it is enough). Any platform: vllm-gaudi's HPU scheduler calls this `schedule` through super()."""
+
+from __future__ import annotations
+
+from beam_hpu.patches.wrap import wrap
+
+NAME = "prefill-inflight"
+
+
+def _schedule_decodes_first(stock_schedule):
+    from beam_hpu.hpu.prefill_inflight import decodes_first, is_prefilling
+    from beam_hpu.settings import switches
+
+    def schedule(self, *args, **kwargs):
+        # Read per step: 0 must leave vLLM's order untouched, and tests flip it within a process.
+        if switches.current("BEAM_PREFILL_INFLIGHT"):
+            self.running[:] = decodes_first(self.running, is_prefilling)
+        return stock_schedule(self, *args, **kwargs)
+
+    return schedule
+
+
+def install() -> None:
+    from vllm.v1.core.sched import scheduler
+
+    wrap(scheduler.Scheduler, "schedule", _schedule_decodes_first, patch=NAME)

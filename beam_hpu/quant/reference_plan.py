@@ -64,6 +64,7 @@ class Plan:
     skeletons: dict  # dtype -> BeamForCausalLM on the meta device
     passages: list[Passage]
     dequantizer: object | None
+    exact: bool = True  # the FP8 activation rounding (beam_hpu.quant.rounding), BEAM_EXACT_ROUNDING
     description: dict = field(default_factory=dict)
     _layer_names: dict = field(default_factory=dict)  # layer -> its tensors on disk, experts excluded
 
@@ -91,7 +92,9 @@ def _skeleton(config_dict: dict, dtype: torch.dtype):
 
 
 def make_plan(checkpoint_dir: str | Path, passages: list[Passage], dtype: torch.dtype = torch.bfloat16,
-              fp8_max: float | None = None) -> Plan:
+              fp8_max: float | None = None, exact: bool | None = None) -> Plan:
+    """`exact`: the FP8 activation rounding; None = BEAM_EXACT_ROUNDING as set here (the server's
+    setting, as the live reference of the perplexity gate reads it)."""
     from beam_hpu.quant.reference import quantization_config
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -112,7 +115,11 @@ def make_plan(checkpoint_dir: str | Path, passages: list[Passage], dtype: torch.
         streams = [ls.Stream("reference", dtype, None, False), ls.Stream("floor", other, None, False)]
     skeletons = {s.dtype: _skeleton(config_dict, s.dtype) for s in streams}
     config = next(iter(skeletons.values())).config
-    plan = Plan(ckpt, config, fp8, streams, skeletons, passages, None)
+    if exact is None:
+        from beam_hpu.settings import switches
+
+        exact = bool(switches.current("BEAM_EXACT_ROUNDING"))
+    plan = Plan(ckpt, config, fp8, streams, skeletons, passages, None, exact=exact)
     _check_passages(passages, config)
     _check_tensors(plan, checkpoint_dir, qconfig)
     if fp8:
@@ -125,6 +132,7 @@ def make_plan(checkpoint_dir: str | Path, passages: list[Passage], dtype: torch.
                           for e in ckpt.tensors.values()),
         "passages": [[p.name, p.ids, p.scored] for p in passages],
         "streams": [[s.name, str(s.dtype), s.fp8_max, s.fp8_experts] for s in streams],
+        "exact_rounding": exact,
     }
     return plan
 

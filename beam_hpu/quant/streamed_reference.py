@@ -143,7 +143,7 @@ def run_layer(plan: Plan, i: int, states: dict[str, torch.Tensor], contexts: Con
 
 def set_quant(plan: Plan, stream: ls.Stream) -> None:
     if plan.fp8:
-        set_activation_quant(plan.skeletons[stream.dtype], stream.fp8_max)
+        set_activation_quant(plan.skeletons[stream.dtype], stream.fp8_max, plan.exact)
 
 
 def _expert_weights(plan: Plan, raw: dict, i: int, e: int, dtype: torch.dtype):
@@ -208,7 +208,8 @@ def reference_document(plan: Plan, heads: dict, k: int, profile, checkpoint: str
     """The `beam-gates-reference/1` document, as `beam_hpu.gates.perplexity.live_reference` writes it."""
     ref = plan.streams[0]
     dtype_name = {v: n for n, v in DTYPES.items()}[ref.dtype]
-    name = "per-token FP8 reference (beam_hpu.quant.reference)" if plan.fp8 else "transformers Beam"
+    name = (f"per-token FP8 reference (beam_hpu.quant.reference, BEAM_EXACT_ROUNDING={int(plan.exact)})" if plan.fp8
+            else "transformers Beam")
     if plan.fp8 and ref.fp8_max != FP8_E4M3FN_MAX:
         name += f", fp8_max {ref.fp8_max:g}"
     passages = []
@@ -240,6 +241,7 @@ def _eta(times: dict[bool, list[float]], remaining: list[bool]) -> float:
 
 def write_streamed_reference(checkpoint: str | Path, passages: list[Passage], out: str | Path, *,
                              dtype: torch.dtype = torch.bfloat16, fp8_max: float | None = None,
+                             exact: bool | None = None,
                              workdir: str | Path | None = None, k: int = 20, profile=None,
                              stop_after_layer: int | None = None, options: LoaderOptions | None = None,
                              on_layer=None) -> dict | None:
@@ -249,7 +251,7 @@ def write_streamed_reference(checkpoint: str | Path, passages: list[Passage], ou
     from beam_hpu.gates.profile import get_profile
 
     profile = profile or get_profile("gaudi")
-    plan = make_plan(checkpoint, passages, dtype, fp8_max)
+    plan = make_plan(checkpoint, passages, dtype, fp8_max, exact)
     out = Path(out)
     work = Workdir(workdir or out.with_name(out.name + ".work"), plan.description)
     options = options or LoaderOptions()
@@ -298,7 +300,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="the reference file to write (beam-gates-reference/1)")
     p.add_argument("--fp8-max", type=float, choices=[448.0, 240.0], default=None,
                    help="FP8 e4m3 range of the activation rounding: 448 (OCP, default for an FP8 checkpoint) "
-                        "or 240 (Gaudi 2)")
+                        "or 240 (Gaudi 2); the rounding itself follows BEAM_EXACT_ROUNDING, as the "
+                        "server's does (0, the recipe's, by default)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="precision of everything but the FP8 roundings (default: the profile's, bfloat16)")
     p.add_argument("--workdir", default=None, help="per-layer hidden states, for resuming (default: OUT.work)")

@@ -98,6 +98,21 @@ def test_streamed_file_equals_the_in_memory_reference(tiny_pair, passages, passa
     assert 0.0 < ours["passages"][0]["floor_top1"] < 1.0  # the floor model really differs
 
 
+def test_streamed_file_follows_the_rounding_switch_as_the_live_reference_does(tiny_pair, passages, passages_file,
+                                                                               tmp_path, monkeypatch):
+    """BEAM_EXACT_ROUNDING=1: the stream rounds as the reference does and still writes the in-memory
+    file; the two roundings are different references, and the file says which it is."""
+    checkpoint = tiny_pair[1]
+    fast = streamed(checkpoint, passages_file, tmp_path / "fast.json", "float32")
+    monkeypatch.setenv("BEAM_EXACT_ROUNDING", "1")
+    exact = streamed(checkpoint, passages_file, tmp_path / "exact.json", "float32")
+    assert_same_file(exact, live_reference(checkpoint, as_live(passages), 20, profile("float32")))
+    assert "BEAM_EXACT_ROUNDING=1" in exact["reference"] and "BEAM_EXACT_ROUNDING=0" in fast["reference"]
+    diff = max(abs(x - y) for x, y in zip(exact["passages"][1]["token_logprobs"][1:],
+                                          fast["passages"][1]["token_logprobs"][1:]))
+    assert diff > 0.0
+
+
 def test_gaudi_range_is_a_different_reference(tiny_pair, passages, tmp_path):
     """--fp8-max 240 rounds on Gaudi 2's grid: other numbers, and the file says so."""
     ps = [Passage("short", passages["short"])]

@@ -18,9 +18,9 @@ from .conftest import WEATHER, chat_request
 def render(tokenizer):
     import vllm.renderers.hf as hf
 
-    import beam_hpu.parsers
+    from beam_hpu.patches.untrusted_text import install
 
-    beam_hpu.parsers.register()
+    install()  # the runtime patch register() installs in the API server
 
     def _render(messages, tools=None):
         return hf.safe_apply_chat_template(None, tokenizer, messages, tools=tools, chat_template=tokenizer.chat_template,

@@ -104,11 +104,11 @@ def rank_read_bytes(specs, rank: int, ranks: int, max_gap: int) -> int:
     return total
 
 
-def write_checkpoint(directory: Path, dense_layers: int, moe_layers: int) -> None:
-    """Shards of ~2 GiB in name order with an index; bytes are a cheap pattern (only I/O matters)."""
+def write_sharded(directory: Path, specs, make_tensor) -> None:
+    """Shards of ~2 GiB in `specs` order ((name, shape, dtype) each) with an index; each tensor
+    is `make_tensor(name, shape, dtype)`, made when its shard is written."""
     from safetensors.torch import save_file
 
-    specs = [t for i in range(dense_layers + moe_layers) for t in layer_tensors(i, moe=i >= dense_layers)]
     directory.mkdir(parents=True, exist_ok=True)
     shards, cur, size = [], [], 0
     for spec in specs:
@@ -122,12 +122,18 @@ def write_checkpoint(directory: Path, dense_layers: int, moe_layers: int) -> Non
     weight_map = {}
     for k, shard in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: torch.full(shape, (hash(name) % 200) / 100, dtype=F32 if dt is F32 else BF16).to(dt)
-                   for name, shape, dt in shard}
+        tensors = {name: make_tensor(name, shape, dt) for name, shape, dt in shard}
         save_file(tensors, str(directory / fname))
         weight_map.update({name: fname for name, _, _ in shard})
         del tensors
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def write_checkpoint(directory: Path, dense_layers: int, moe_layers: int) -> None:
+    """The benchmark's checkpoint; bytes are a cheap pattern (only I/O matters)."""
+    specs = [t for i in range(dense_layers + moe_layers) for t in layer_tensors(i, moe=i >= dense_layers)]
+    write_sharded(directory, specs, lambda name, shape, dt: torch.full(
+        shape, (hash(name) % 200) / 100, dtype=F32 if dt is F32 else BF16).to(dt))
 
 
 class SimulatedRank(nn.Module):

@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[0]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loader_ep8 import (  # noqa: E402  (shapes, names, cache and I/O accounting: one source)
-    E, F32, FP8, H, MODEL_DENSE_LAYERS, MODEL_MOE_LAYERS, SHARD_BYTES, VOCAB, drop_cache, model_tensors,
-    storage_read_bytes,
+    E, F32, FP8, H, MODEL_DENSE_LAYERS, MODEL_MOE_LAYERS, VOCAB, drop_cache, model_tensors,
+    storage_read_bytes, write_sharded,
 )
 
 from beam_hpu.loader.reader import RangeReader  # noqa: E402
@@ -71,28 +71,11 @@ def _value(name: str, shape, dt, pool: torch.Tensor, g: torch.Generator, fan_in:
 
 
 def write_checkpoint(directory: Path, dense: int, moe: int) -> None:
-    from safetensors.torch import save_file
-
     specs = model_tensors(dense, moe, embeddings=True)
     fan_in = {n + "_scale": s[1] for n, s, dt in specs if dt is FP8}
     g = torch.Generator().manual_seed(0)
     pool = (torch.randn(POOL, generator=g) * 16).clamp(-448, 448).to(FP8)
-    directory.mkdir(parents=True, exist_ok=True)
-    shards, cur, size = [], [], 0
-    for spec in specs:
-        n = torch.Size(spec[1]).numel() * spec[2].itemsize
-        if cur and size + n > SHARD_BYTES:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(spec)
-        size += n
-    shards.append(cur)
-    weight_map = {}
-    for k, shard in enumerate(shards):
-        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({name: _value(name, shape, dt, pool, g, fan_in) for name, shape, dt in shard}, str(directory / fname))
-        weight_map.update({name: fname for name, _, _ in shard})
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_sharded(directory, specs, lambda name, shape, dt: _value(name, shape, dt, pool, g, fan_in))
     qc = beam_fp8_quantization_config().model_dump(mode="json")
     qc["quant_method"] = "compressed-tensors"
     config = {"architectures": ["BeamForCausalLM"], "model_type": "beam", "num_hidden_layers": dense + moe,

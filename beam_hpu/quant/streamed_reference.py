@@ -38,6 +38,7 @@ from beam_hpu.gates.perplexity import FORMAT, scored_positions
 from beam_hpu.loader.options import LoaderOptions
 from beam_hpu.loader.reader import RangeReader
 from beam_hpu.quant import layer_stream as ls
+from beam_hpu.quant.fp8_dequant import dequantise_rows
 from beam_hpu.quant.reference_plan import Passage, Plan, make_plan, read_passages, text_passages
 from beam_hpu.quant.reference_workdir import Workdir
 from beam_hpu.quant.reference import FP8_E4M3FN_MAX, set_activation_quant
@@ -49,8 +50,16 @@ VOCAB_SLICE_BYTES = 256 << 20
 
 
 def _dequantised(plan: Plan, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # compressed-tensors' own dequantiser, as in beam_hpu.quant.reference (it pops what it consumes).
-    return plan.dequantizer.process(dict(raw)) if plan.fp8 else raw
+    """Every FP8 weight (a `.weight` with its `.weight_scale`) dequantised as compressed-tensors'
+    dequantiser does it for beam_hpu.quant.reference (`fp8_dequant`: the same bits, faster);
+    the rest as it is."""
+    if not plan.fp8:
+        return raw
+    out = {n: t for n, t in raw.items() if not n.endswith(".weight_scale")}
+    for scale_name in (n for n in raw if n.endswith(".weight_scale")):
+        name = scale_name.removesuffix("_scale")
+        out[name] = dequantise_rows([(raw[name], raw[scale_name])], plan.dequantizer.dtype)
+    return out
 
 
 class Contexts:
@@ -148,9 +157,12 @@ def set_quant(plan: Plan, stream: ls.Stream) -> None:
 
 def _expert_weights(plan: Plan, raw: dict, i: int, e: int, dtype: torch.dtype):
     p = f"model.layers.{i}.mlp.experts.{e}"
-    w = _dequantised(plan, {n: raw[n] for n in plan._expert_names(i, e)})
-    gate, up, down = (w[f"{p}.{proj}.weight"].to(dtype) for proj in ls.EXPERT_PROJECTIONS)
     # transformers' fused layout: gate_up_proj[e] = [gate; up] (BeamExperts._apply_gate chunks it so)
+    if plan.fp8:  # compressed-tensors' arithmetic, bit for bit, at a fraction of its time (fp8_dequant)
+        w = {proj: (raw[f"{p}.{proj}.weight"], raw[f"{p}.{proj}.weight_scale"]) for proj in ls.EXPERT_PROJECTIONS}
+        return (dequantise_rows([w["gate_proj"], w["up_proj"]], plan.dequantizer.dtype).to(dtype),
+                dequantise_rows([w["down_proj"]], plan.dequantizer.dtype).to(dtype))
+    gate, up, down = (raw[f"{p}.{proj}.weight"].to(dtype) for proj in ls.EXPERT_PROJECTIONS)
     return torch.cat([gate, up]), down
 
 

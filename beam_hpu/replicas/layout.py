@@ -26,18 +26,32 @@ INTERNAL_PORT_STRIDE = 100
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """The router's behaviour when a replica fails. The defaults of vllm-router 0.1.17 check
-    health every 60 s and retry with backoff up to 30 s; a demo on loopback wants to notice a
-    dead replica within seconds and give up on a request within a bounded time."""
+    """How the router balances and what it does when a replica fails (loopback demo values).
+
+    - Balance: the cache-aware policy follows the request's text prefix unless the replicas'
+      in-flight requests differ by more than `balance_abs_threshold` (and by the ratio
+      `balance_rel_threshold`). The router's default, 64, exceeds a replica's --max-num-seqs 16,
+      so it would never balance: one replica would queue while the other idled.
+    - Failure: a retry asks the policy again, and the cache-aware policy picks the same replica
+      until its circuit breaker opens. With `cb_failure_threshold` 2 and 4 retries, the third
+      attempt of a request to a dead replica goes to a live one, well before the health check
+      (every `health_check_interval_secs`, `health_failure_threshold` misses) marks it unhealthy.
+      `cb_timeout_duration_secs` is how soon a restarted replica is tried again.
+    """
 
     policy: str = DEFAULT_POLICY
+    balance_abs_threshold: int = 4
+    balance_rel_threshold: float = 1.5
     health_check_interval_secs: int = 2
     health_failure_threshold: int = 2
     health_success_threshold: int = 1
     health_check_timeout_secs: int = 2
-    retry_max_retries: int = 3
-    retry_initial_backoff_ms: int = 50
-    retry_max_backoff_ms: int = 500
+    retry_max_retries: int = 4
+    retry_initial_backoff_ms: int = 100
+    retry_max_backoff_ms: int = 1000
+    retry_backoff_multiplier: float = 2.0
+    cb_failure_threshold: int = 2
+    cb_timeout_duration_secs: int = 5
     request_timeout_secs: int = 120
 
 
@@ -74,17 +88,21 @@ def router_executable() -> str:
 
 
 def router_command(worker_urls: list[str], *, port: int, metrics_port: int,
-                   settings: RouterSettings = RouterSettings(), executable: str | None = None) -> list[str]:
-    """`vllm-router` on loopback in front of `worker_urls`. The router's own Prometheus exporter
-    gets an explicit port (its default, 29000, would collide between two routers on one host)."""
+                   settings: RouterSettings = RouterSettings(), executable: str | None = None,
+                   host: str = "127.0.0.1") -> list[str]:
+    """`vllm-router` on `host` (loopback by default) in front of `worker_urls`. The router's own
+    Prometheus exporter gets an explicit port (its default, 29000, would collide between two
+    routers on one host) on the same host."""
     if settings.policy not in POLICIES:
         raise ValueError(f"router policy {settings.policy!r}: expected one of {', '.join(POLICIES)}")
     s = settings
     return [
         executable or router_executable(),
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", host, "--port", str(port),
         "--worker-urls", *worker_urls,
         "--policy", s.policy,
+        "--balance-abs-threshold", str(s.balance_abs_threshold),
+        "--balance-rel-threshold", str(s.balance_rel_threshold),
         "--health-check-endpoint", "/health",
         "--health-check-interval-secs", str(s.health_check_interval_secs),
         "--health-failure-threshold", str(s.health_failure_threshold),
@@ -94,8 +112,11 @@ def router_command(worker_urls: list[str], *, port: int, metrics_port: int,
         "--retry-max-retries", str(s.retry_max_retries),
         "--retry-initial-backoff-ms", str(s.retry_initial_backoff_ms),
         "--retry-max-backoff-ms", str(s.retry_max_backoff_ms),
+        "--retry-backoff-multiplier", str(s.retry_backoff_multiplier),
+        "--cb-failure-threshold", str(s.cb_failure_threshold),
+        "--cb-timeout-duration-secs", str(s.cb_timeout_duration_secs),
         "--request-timeout-secs", str(s.request_timeout_secs),
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--prometheus-host", host, "--prometheus-port", str(metrics_port),
     ]
 
 

@@ -53,6 +53,9 @@ class RouterSettings:
     cb_failure_threshold: int = 2
     cb_timeout_duration_secs: int = 5
     request_timeout_secs: int = 120
+    # Only matters when the router starts before its workers answer /health (the demo starts it after).
+    worker_startup_timeout_secs: int = 600
+    worker_startup_check_interval: int = 1
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,8 @@ def router_command(worker_urls: list[str], *, port: int, metrics_port: int,
         "--health-failure-threshold", str(s.health_failure_threshold),
         "--health-success-threshold", str(s.health_success_threshold),
         "--health-check-timeout-secs", str(s.health_check_timeout_secs),
-        "--worker-startup-check-interval", "1",
+        "--worker-startup-timeout-secs", str(s.worker_startup_timeout_secs),
+        "--worker-startup-check-interval", str(s.worker_startup_check_interval),
         "--retry-max-retries", str(s.retry_max_retries),
         "--retry-initial-backoff-ms", str(s.retry_initial_backoff_ms),
         "--retry-max-backoff-ms", str(s.retry_max_backoff_ms),

@@ -30,8 +30,11 @@ def commands_text(layout) -> str:
 
 
 def run(model_dir: str | Path, args) -> int:
-    layout = plan(model_dir, args.replicas, router_port=args.port, settings=RouterSettings(policy=args.policy),
-                  router_exe=None if not args.print_only else "vllm-router")
+    try:
+        layout = plan(model_dir, args.replicas, router_port=args.port, settings=RouterSettings(policy=args.policy),
+                      router_exe=None if not args.print_only else "vllm-router")
+    except ValueError as e:
+        raise SystemExit(f"beam-hpu demo --replicas: {e}") from None
     print(commands_text(layout), flush=True)
     if args.print_only:
         return 0

@@ -65,3 +65,9 @@ def test_demo_replicas_refuses_tp(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "beam_hpu.cli", "demo", "--dir", str(tmp_path / "d"), "--replicas", "2",
                            "--tp", "2", "--print-only"], capture_output=True, text=True)
     assert proc.returncode != 0 and "each replica is TP 1" in proc.stderr
+
+
+def test_demo_replicas_refuses_an_unknown_policy(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "beam_hpu.cli", "demo", "--dir", str(tmp_path / "d"), "--replicas", "2",
+                           "--policy", "fastest", "--print-only"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "policy 'fastest'" in proc.stderr and "cache_aware" in proc.stderr

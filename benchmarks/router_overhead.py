@@ -91,7 +91,7 @@ def tool(i: int, app: int) -> dict:
                            "required": ["city"]}}}
 
 
-def workload(tag: str, prefixes: int, conversations: int, turns: int, seed: int) -> list[tuple[int, int]]:
+def workload(prefixes: int, conversations: int, turns: int, seed: int) -> list[tuple[int, int]]:
     """The order of (conversation, turn) requests: conversations interleaved at random, turns in order."""
     rng = random.Random(seed)
     pending = {c: 0 for c in range(prefixes * conversations)}
@@ -112,7 +112,7 @@ def hit_rate(fleet: Fleet, tag: str, prefixes: int, conversations: int, turns: i
     tools = [[tool(i, p) for i in range(3)] for p in range(prefixes)]
     history: dict[int, list[dict]] = {}
     before = [metrics.read(r.url) for r in fleet.layout.replicas]
-    for c, t in workload(tag, prefixes, conversations, turns, seed=len(tag)):
+    for c, t in workload(prefixes, conversations, turns, seed=len(tag)):
         p = c % prefixes
         messages = history.setdefault(c, [{"role": "system", "content": systems[p]}])
         messages.append({"role": "user", "content": f"Repeat after me: {WORDS[(c * turns + t) % len(WORDS)]}"})

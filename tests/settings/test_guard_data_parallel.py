@@ -4,9 +4,7 @@ cannot run an MoE model with DP > 1 (serving/multinode.md, "Data parallelism")."
 from __future__ import annotations
 
 import subprocess
-import sys
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 

@@ -2,6 +2,7 @@
 
   beam-hpu tiny DIR [--preset small|wide|trained] [--dtype bfloat16|float32] [--seed N] [--fp8]
   beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--print-only]
+                [--replicas N [--policy cache_aware|round_robin|...]]
   beam-hpu reference CHECKPOINT (--passages FILE | --text F ...) --out REF.json [--fp8-max 448|240] [--workdir DIR]
 
 `demo` is the project's main job on a machine without Gaudi: it writes a tiny Beam checkpoint (by
@@ -112,6 +113,12 @@ def _tiny(args) -> int:
 
 def _demo(args) -> int:
     model_dir = write_checkpoint(args.dir, args.preset, "bfloat16", 0, args.fp8)
+    if args.replicas > 1:
+        if args.tp != 1 or args.ep:
+            raise SystemExit("beam-hpu demo --replicas: each replica is TP 1 on its own core; drop --tp/--ep")
+        from beam_hpu.replicas.demo import run
+
+        return run(model_dir, args)
     cmd = serve_command(model_dir, port=args.port, tp=args.tp, ep=args.ep)
     base = f"http://127.0.0.1:{args.port}/v1"
     print(f"tiny Beam checkpoint: {model_dir}\nserving: {' '.join(cmd)}\n"
@@ -144,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--ep", action="store_true", help="--enable-expert-parallel (use with --tp 2)")
     d.add_argument("--fp8", action="store_true", help="serve the FP8 tiny checkpoint")
     d.add_argument("--print-only", action="store_true", help="print the serve command, do not run it")
+    d.add_argument("--replicas", type=int, default=1,
+                   help="N>=2: N replicas (ports PORT+1..PORT+N, one core each) behind vllm-router on PORT")
+    d.add_argument("--policy", default="cache_aware", help="vllm-router --policy with --replicas (default cache_aware)")
     d.set_defaults(func=_demo)
     r = sub.add_parser("reference", help="write the perplexity gate's stored reference, streaming the "
                        "checkpoint layer by layer (resumable; beam_hpu.quant.streamed_reference)")

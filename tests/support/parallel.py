@@ -45,3 +45,20 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in {start}..{start + WORKER_PORT_SPAN // 2}")
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports of this worker's range that nothing listens on now (a router and its
+    replicas start together)."""
+    start = SERVE_PORT_BASE + WORKER_PORT_SPAN * worker_index() + os.getpid() % (WORKER_PORT_SPAN // 2)
+    found = []
+    for port in range(start, start + WORKER_PORT_SPAN // 2):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise RuntimeError(f"fewer than {n} free ports in {start}..{start + WORKER_PORT_SPAN // 2}")

@@ -1,0 +1,156 @@
+"""Start a `Layout` (replicas, then the router), wait for health, stop everything.
+
+Each process runs in its own session (process group), so stopping one takes its children (vLLM's
+engine core, the router's workers) with it; `stop()` terminates every group, waits, then kills
+what is left. The demo calls `stop()` on Ctrl-C and SIGTERM: nothing outlives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from beam_hpu.replicas.layout import Layout, Replica
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class Fleet:
+    """The running replicas and router of one `Layout`. `log_dir` gets one log per process."""
+
+    def __init__(self, layout: Layout, log_dir: str | Path, *, extra_env: dict[str, str] | None = None):
+        self.layout = layout
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.extra_env = dict(extra_env or {})
+        self.replica_procs: dict[int, subprocess.Popen] = {}
+        self.router_proc: subprocess.Popen | None = None
+        self._logs: list = []
+
+    # processes
+
+    def _spawn(self, cmd: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "a")
+        self._logs.append(log)
+        return subprocess.Popen(cmd, env={**env, **self.extra_env}, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def log_text(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def start_replica(self, replica: Replica) -> None:
+        self.replica_procs[replica.index] = self._spawn(replica.cmd, replica.env, f"replica{replica.index}")
+
+    def start(self, timeout: float = 600) -> "Fleet":
+        """All replicas at once (each on its own core), then the router once they are healthy."""
+        try:
+            for r in self.layout.replicas:
+                self.start_replica(r)
+            self.wait_replicas(timeout)
+            self.router_proc = self._spawn(self.layout.router_cmd, dict(os.environ), "router")
+            self.wait_router(timeout=120)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_replicas(self, timeout: float, indices: list[int] | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        pending = [self.layout.replicas[i] for i in (indices if indices is not None else self.replica_procs)]
+        while pending:
+            for r in list(pending):
+                proc = self.replica_procs[r.index]
+                if proc.poll() is not None:
+                    raise RuntimeError(f"replica {r.index} (port {r.port}) exited with {proc.returncode}; its log "
+                                       f"{self.log_dir / f'replica{r.index}.log'} ends:\n"
+                                       f"{self.log_text(f'replica{r.index}')[-6000:]}")
+                if http_ok(f"{r.url}/health"):
+                    pending.remove(r)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"replicas {[r.index for r in pending]} not healthy after {timeout:.0f}s "
+                                   f"(logs in {self.log_dir})")
+            if pending:
+                time.sleep(1)
+
+    def router_ready(self) -> bool:
+        """The router answers and lists the served model (it proxies /v1/models to a worker)."""
+        return http_ok(f"{self.layout.router_url}/v1/models")
+
+    def wait_router(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.router_ready():
+            if self.router_proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {self.router_proc.returncode}:\n"
+                                   f"{self.log_text('router')[-6000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm-router not ready after {timeout:.0f}s:\n{self.log_text('router')[-6000:]}")
+            time.sleep(0.5)
+
+    def restart_router(self, router_cmd: list[str], timeout: float = 120) -> None:
+        """Replace the router (e.g. another policy) in front of the same running replicas."""
+        if self.router_proc is not None:
+            _stop_group(self.router_proc, signal.SIGTERM)
+        self.layout = dataclasses.replace(self.layout, router_cmd=list(router_cmd))
+        self.router_proc = self._spawn(self.layout.router_cmd, dict(os.environ), "router")
+        self.wait_router(timeout)
+
+    def kill_replica(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Kill replica `index`'s whole process group (SIGKILL: a crash, not a graceful stop)."""
+        _stop_group(self.replica_procs[index], sig)
+
+    def restart_replica(self, index: int, timeout: float = 600) -> None:
+        self.kill_replica(index, signal.SIGTERM)
+        self.start_replica(self.layout.replicas[index])
+        self.wait_replicas(timeout, [index])
+
+    def stop(self) -> None:
+        procs = [p for p in [self.router_proc, *self.replica_procs.values()] if p is not None]
+        for p in procs:
+            _signal_group(p, signal.SIGTERM)
+        for p in procs:
+            _stop_group(p, signal.SIGTERM)
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def describe(self) -> str:
+        lines = [f"replica {r.index}: {r.url} (core {r.core}, log {self.log_dir / f'replica{r.index}.log'})"
+                 for r in self.layout.replicas]
+        lines.append(f"router: {self.layout.router_url} (log {self.log_dir / 'router.log'})")
+        return "\n".join(lines)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _stop_group(proc: subprocess.Popen, sig: int, grace: float = 30) -> None:
+    """Signal the group, wait `grace`, then SIGKILL the group; reap. The group is killed even when
+    its leader already exited, so an engine child cannot outlive its `vllm serve`."""
+    _signal_group(proc, sig)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

@@ -129,9 +129,48 @@ def data_parallel_on_cpu(launch: Launch) -> list[str]:
             "(beam-hpu demo --replicas N)"]
 
 
+# Proposers vllm-gaudi's runner builds (HPUModelRunner: NgramProposer, HpuEagleProposer for use_eagle()).
+HPU_DRAFT_METHODS = ("ngram", "eagle", "eagle3", "mtp")
+
+
+def _speculative_method(config: Any) -> str | None:
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError:
+            return None
+    if isinstance(config, Mapping):
+        return config.get("method")
+    return getattr(config, "method", None)
+
+
+def speculation_on_hpu(launch: Launch) -> list[str]:
+    """What vllm-gaudi cannot do with --speculative-config (vLLM-CPU verifies through the
+    cpu-rejection-sampler patch; these are Gaudi's gaps)."""
+    config = launch.arg("speculative_config")
+    if not config or launch.device_type != "hpu":
+        return []
+    method = _speculative_method(config)
+    problems = []
+    if method not in HPU_DRAFT_METHODS:
+        problems.append(f"--speculative-config method {method!r} on HPU: vllm-gaudi's runner drafts only with "
+                        f"{', '.join(HPU_DRAFT_METHODS)} (no DFlash, DFlash2, suffix or draft-model proposer)")
+    problems.append("--speculative-config on HPU with Beam: vllm-gaudi samples every step that carries a grammar "
+                    "through its structured-output branch, which ignores the verify step (drafts are never "
+                    "verified, and with more than one sequence it samples rows of other positions: wrong tokens); "
+                    "the beam parsers put a grammar on every chat step (VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT=1) or on "
+                    "every forced tool choice and answer format (=0); serve without speculation")
+    if launch.arg("async_scheduling"):
+        problems.append("--async-scheduling with --speculative-config on HPU: vllm-gaudi turns async scheduling "
+                        "off whenever speculation is on (platform.py); drop the flag, as the recipe's speculative "
+                        "variant does")
+    return problems
+
+
 RULES: list[Callable[[Launch], list[str]]] = [
     forbidden_variables, unbounded_fsdpa_workspace, eager_on_hpu, mixed_parsers, openai_content_format,
     data_parallel_on_cpu,
+    speculation_on_hpu,
 ]
 
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The recipe's opt-in speculative variant: serving/launch.sh plus drafts.
+#
+#   [SPECULATIVE_CONFIG=JSON] serving/launch-speculative.sh MODEL [more vllm serve args]
+#
+# What changes from launch.sh (recipe.yaml, `speculative`): --no-async-scheduling (vllm-gaudi
+# turns async scheduling off whenever speculation is on; the flag says so instead of leaving it
+# silent) and --speculative-config, by default prompt lookup (ngram, 4 drafts, lookup 2..4).
+# Everything else, env and fixes included, is launch.sh's. The startup guards refuse what vllm-gaudi
+# cannot serve with drafts (beam_hpu/settings/guards.py speculation_on_hpu): on Gaudi today that
+# is every Beam launch, because vllm-gaudi's structured-output branch skips the verify step.
+set -euo pipefail
+
+if [ "$#" -lt 1 ]; then
+  echo "usage: $0 MODEL [vllm serve args...]" >&2
+  exit 2
+fi
+MODEL=$1
+shift
+SPECULATIVE_CONFIG=${SPECULATIVE_CONFIG:-'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'}
+
+exec "$(dirname "$0")/launch.sh" "$MODEL" --no-async-scheduling --speculative-config "$SPECULATIVE_CONFIG" "$@"

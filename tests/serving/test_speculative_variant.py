@@ -1,0 +1,78 @@
+"""The recipe's opt-in speculative variant (serving/launch-speculative.sh, recipe.yaml `speculative`)
+and the startup guard for speculation on Gaudi (beam_hpu.settings.guards.speculation_on_hpu)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from beam_hpu.settings.guards import HPU_DRAFT_METHODS, StartupError, check_startup, startup_problems
+from serving.recipe import flags_as_vllm_args, load_recipe, recipe_flags
+
+REPO = Path(__file__).resolve().parents[2]
+SERVING = REPO / "serving"
+RECIPE = load_recipe()
+VARIANT = RECIPE["speculative"]
+
+
+def launch_args(tmp_path, *extra, env=None) -> list[str]:
+    """What launch-speculative.sh hands launch.sh: run it next to a launch.sh that prints its argv."""
+    shutil.copy(SERVING / VARIANT["script"], tmp_path / "variant.sh")
+    (tmp_path / "launch.sh").write_text("#!/usr/bin/env bash\nprintf '%s\\n' \"$@\"\n")
+    (tmp_path / "launch.sh").chmod(0o755)
+    out = subprocess.run([str(tmp_path / "variant.sh"), "MODEL", *extra], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})})
+    return out.stdout.splitlines()
+
+
+def test_the_variant_adds_exactly_the_flags_recipe_yaml_lists(tmp_path):
+    argv = launch_args(tmp_path, "--port", "8000")
+    want = [word for flag, value in VARIANT["serve"].items()
+            for word in ([f"--{flag}"] if value is True else [f"--{flag}", str(value)])]
+    assert argv == ["MODEL", *want, "--port", "8000"]
+    assert json.loads(VARIANT["serve"]["speculative-config"])["method"] == "ngram"
+
+
+def test_the_variant_takes_another_config_from_the_environment(tmp_path):
+    eagle = '{"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}'
+    argv = launch_args(tmp_path, env={"SPECULATIVE_CONFIG": eagle})
+    assert argv[argv.index("--speculative-config") + 1] == eagle
+
+
+def variant_args(**overrides) -> dict:
+    """recipe.yaml's flags with the variant's applied as argparse would (the later flag wins)."""
+    args = flags_as_vllm_args(recipe_flags(RECIPE))
+    args["async_scheduling"] = False  # --no-async-scheduling
+    args["speculative_config"] = json.loads(VARIANT["serve"]["speculative-config"])
+    return {**args, **overrides}
+
+
+def test_the_variant_runs_on_cpu():
+    check_startup({}, variant_args(), device_type="cpu")
+
+
+def test_speculation_on_hpu_is_refused_naming_the_flag():
+    with pytest.raises(StartupError) as e:
+        check_startup({}, variant_args(), device_type="hpu")
+    message = str(e.value)
+    assert "--speculative-config on HPU with Beam" in message and "structured-output branch" in message
+    assert "--async-scheduling" not in message  # the variant turns it off
+
+
+def test_async_scheduling_and_unsupported_methods_are_named():
+    problems = startup_problems({}, variant_args(async_scheduling=True, speculative_config='{"method": "dflash"}'),
+                                device_type="hpu")
+    assert any(p.startswith("--speculative-config method 'dflash' on HPU") for p in problems)
+    assert any(p.startswith("--async-scheduling with --speculative-config on HPU") for p in problems)
+    for method in HPU_DRAFT_METHODS:
+        problems = startup_problems({}, variant_args(speculative_config={"method": method}), device_type="hpu")
+        assert not any("method" in p for p in problems), method
+
+
+def test_the_recipe_without_speculation_is_not_affected():
+    check_startup({}, flags_as_vllm_args(recipe_flags(RECIPE)), device_type="hpu")

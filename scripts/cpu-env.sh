@@ -32,6 +32,23 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+# Suffix decoding (vLLM's `suffix` speculative method) needs arctic-inference's suffix tree, a C++
+# extension without CUDA code. PyPI has only its 0.3.0 sdist; it builds on CPU once CMake finds
+# nanobind. The build tools live in a throwaway venv that sees this one's packages (torch), and
+# only the wheel is installed here (about a minute and a half, once).
+if ! "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("arctic_inference") is None)'; then
+  echo "[cpu-env] building arctic-inference 0.3.0 (suffix decoding) from its sdist"
+  build=$(mktemp -d)
+  trap 'rm -rf "$build"' EXIT
+  "$VENV/bin/python" -m venv "$build/venv"
+  echo "$site" > "$("$build/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/beam-hpu-main.pth"
+  "$build/venv/bin/python" -m pip install -q --disable-pip-version-check setuptools wheel cmake ninja nanobind==2.9.2 grpcio-tools
+  CMAKE_PREFIX_PATH=$("$build/venv/bin/python" -m nanobind --cmake_dir) PATH="$build/venv/bin:$PATH" \
+    "$build/venv/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation \
+    -w "$build/wheels" arctic-inference==0.3.0
+  pip install -q --no-deps "$build"/wheels/arctic_inference-*.whl
+fi
 shim="$site/vllm-0.30.0+cpu.dist-info"
 if [ ! -f "$shim/METADATA" ]; then
   mkdir -p "$shim"

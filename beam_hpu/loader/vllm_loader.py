@@ -48,6 +48,19 @@ class BeamModelLoader(BaseModelLoader):
         self.checkpoint_dir(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        from beam_hpu.model.beam import BeamForCausalLM
+
+        if not isinstance(model, BeamForCausalLM):
+            # A speculative drafter (EAGLE3 etc.) is loaded with the target's load format. Its own
+            # load_weights renames its checkpoint's tensors and leaves the embedding to be shared
+            # from the target afterwards, which an exactly-once check of its files would refuse:
+            # vLLM's default loader reads it, as it would without --load-format beam.
+            import dataclasses
+
+            from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+            DefaultModelLoader(dataclasses.replace(self.load_config, load_format="auto")).load_weights(model, model_config)
+            return
         report = load_checkpoint(model, self.checkpoint_dir(model_config), self.options, rank_label(),
                                  optional_parameters(model))
         # For tests and benchmarks that ask the worker what it read (`LLM.apply_model`).

@@ -42,7 +42,7 @@ from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3, SupportsPP
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
     extract_layer_index,
@@ -261,8 +261,18 @@ class BeamDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
+def residual_stream(update: torch.Tensor, residual: torch.Tensor | None, add_index: int) -> torch.Tensor:
+    """Beam's residual stream h_k after its `add_index`-th add, from what the layers carry: the
+    un-scaled sum g_{k-1} (`residual`, None before the first add) and the update not yet added
+    (see `depth_scaled_norm_eps`): h_k = (update + g_{k-1}) / sqrt(k). Always a new tensor: the
+    embedding becomes layer 0's residual, which the fused add+norm then updates in place."""
+    if residual is None:
+        return update.clone() if add_index == 1 else update / math.sqrt(add_index)
+    return (update + residual) / math.sqrt(add_index)
+
+
 @support_torch_compile
-class BeamModel(nn.Module):
+class BeamModel(nn.Module, EagleModelMixin):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
@@ -298,15 +308,25 @@ class BeamModel(nn.Module):
         else:
             h, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
         ssmax_scale = ssmax_query_scale(positions)  # once per step, shared by every NoPE layer
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            h, residual = layer(positions, h, residual, ssmax_scale)
+        # Auxiliary states for EAGLE3/DFlash drafters. vLLM numbers them as its Llama does: id 0 is
+        # the embedding, id i the stream after decoder layer i - 1 (= the input of layer i), i.e.
+        # transformers' `output_hidden_states[i]` (that tuple starts with the embeddings), so
+        # DFlash's "output of layer j" is id j + 1. Beam's stream is the depth-scaled h_k, not the
+        # un-scaled sum this model carries: after layer i's MLP add, k = 2 * (i + 1) + 1.
+        aux: list[torch.Tensor] = []
+        if 0 in self.aux_hidden_state_layers and get_pp_group().is_first_rank:
+            aux.append(residual_stream(h, residual, 1))
+        for idx in range(self.start_layer, self.end_layer):
+            h, residual = self.layers[idx](positions, h, residual, ssmax_scale)
+            if idx + 1 in self.aux_hidden_state_layers:
+                aux.append(residual_stream(h, residual, 2 * (idx + 1) + 1))
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": h, "residual": residual})
         h, _ = self.norm(h, residual)
-        return h
+        return (h, aux) if aux else h
 
 
-class BeamForCausalLM(nn.Module, SupportsPP):
+class BeamForCausalLM(nn.Module, SupportsPP, SupportsEagle3):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
     # checkpoint name part -> (vLLM parameter name part, shard id). Dense MLP and attention both
@@ -344,8 +364,18 @@ class BeamForCausalLM(nn.Module, SupportsPP):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
+    ) -> torch.Tensor | IntermediateTensors | tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final hidden states; with auxiliary layers set (`set_aux_hidden_state_layers`, done by
+        vLLM's runner for EAGLE3/DFlash drafters) also the list of those layers' states, in id order."""
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """vLLM's rule (2, n // 2, n - 3) where it names three distinct layers (n >= 8; Beam-501B:
+        2, 26, 49); shallower models get (1, n // 2 + 1, n - 1) instead, where the rule collapses
+        (n = 5 gives 2, 2, 2). A drafter's config.json naming its layers takes precedence."""
+        n = self.config.num_hidden_layers
+        layers = (2, n // 2, n - 3)
+        return layers if len(set(layers)) == 3 and layers[0] < layers[1] < layers[2] else (1, n // 2 + 1, n - 1)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.logits_processor(self.lm_head, hidden_states)

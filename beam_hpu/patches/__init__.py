@@ -137,6 +137,20 @@ INDEX: tuple[RuntimePatch, ...] = (
                     "etc.) or the sampler has a torch path on CPU.",
         upstream="none filed",
     ),
+    RuntimePatch(
+        name="cpu-eagle-step",
+        module="cpu_eagle_step",
+        targets=("vllm.v1.spec_decode.llm_base_proposer.eagle_step_update_slot_mapping_and_metadata",),
+        platform="cpu",
+        why="vLLM 0.30.0's EAGLE proposer advances each drafting step through the JIT-warmup Triton "
+            "dispatcher `_eagle_step_slot_mapping_metadata`; vLLM-CPU swaps the kernel of the other "
+            "EAGLE dispatchers but only the module-level name of this one, so the second drafting "
+            "step of an EAGLE/EAGLE3 drafter kills the engine.",
+        how="Replaces the proposer's binding by beam_hpu.cpu.eagle_step.advance_one_position (plain "
+            "torch: next position, its KV slot, seq_lens + 1, padding slots), with vLLM's PADDING_SLOT_ID.",
+        remove_when="vLLM-CPU's runner sets `_eagle_step_slot_mapping_metadata.kernel` to its CPU op.",
+        upstream="none filed",
+    ),
 )
 
 

@@ -36,15 +36,7 @@ def engine_env(tp: int) -> dict[str, str]:
 
 def free_port() -> int:
     """A port of this worker's range that nothing listens on now."""
-    start = SERVE_PORT_BASE + WORKER_PORT_SPAN * worker_index() + os.getpid() % (WORKER_PORT_SPAN // 2)
-    for port in range(start, start + WORKER_PORT_SPAN // 2):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {start}..{start + WORKER_PORT_SPAN // 2}")
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:

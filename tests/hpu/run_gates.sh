@@ -19,15 +19,16 @@ checkpoint, on any x86-64 Linux host with the checkpoint on a local disk (no GPU
 
 It streams the checkpoint one layer at a time (the project's own reader; each tensor read once, an
 MoE layer's experts in groups), so memory is one layer's working set plus the passages'
-activations: peak RSS 3.3 GB (float32) and 4.9 GB (bfloat16) measured on Beam-1.0-shaped layers
-(benchmarks/reference_stream.py, README "Benchmarks"); a 16 GB host is plenty.
+activations: peak RSS 4.0 GB (float32) measured on Beam-1.0-shaped layers at the recipe's three
+passage lengths (benchmarks/reference_stream.py, README "Benchmarks"); a 16 GB host is plenty.
 Time: one read of the 503 GB checkpoint plus the arithmetic, two forward passes per passage (the
 reference, and the weight-only model its top-1 floor comes from) and the FP8 dequantisation of
-every weight. On a small host the arithmetic dominates: the benchmark's 52-layer extrapolation on
-a busy 2-core AVX2 host is 6 to 7.5 hours for 384 tokens, and it grows with the passages' tokens;
-use the host with the most cores you have. Without native bf16 matmuls (AVX2) a dense layer runs
-about 5x faster in --dtype float32 than in bfloat16 (the gate profile's reference precision);
-MoE layers at few tokens are bound by the FP8 dequantisation in either.
+every weight. On a small host the arithmetic dominates: on a 2-core AVX2 host (under load) an MoE
+layer took 270-430 s for the 2,980 tokens of 257 + 1,024 + 1,699, of which its 10.2 GB read is
+17-35 s; the 52 layers extrapolate to about 4.6 hours in --dtype float32. Time grows with the
+passages' tokens and falls with cores: use the host with the most cores you have. Without native
+bf16 matmuls (AVX2) float32 is several times faster than bfloat16 (the gate profile's reference
+precision); with AVX512-BF16/AMX bfloat16 is the one to use.
 Progress, per layer with an ETA, is logged on vllm.beam_hpu.quant.reference.
 Resume: if it is killed or stopped (--stop-after-layer K), run the same command again: it continues
 after the newest layer saved in the workdir (--workdir, default REF.json.work: two layers' hidden

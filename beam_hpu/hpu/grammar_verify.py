@@ -38,7 +38,8 @@ def verify_row_spans(decode_req_ids: Sequence[str], scheduled_spec_decode_tokens
     for b, req_id in enumerate(decode_req_ids):
         count = 1 + len(scheduled_spec_decode_tokens.get(req_id, ()))
         if count > stride:
-            raise ValueError(f"verify logits: request {req_id!r} has {count} positions, the layout {stride} per sequence")
+            raise ValueError(f"verify logits: request {req_id!r} has {count} positions, "
+                             f"the layout {stride} per sequence")
         spans[req_id] = (b * stride, count)
     return spans
 

@@ -7,8 +7,9 @@
 # turns async scheduling off whenever speculation is on; the flag says so instead of leaving it
 # silent) and --speculative-config, by default prompt lookup (ngram, 4 drafts, lookup 2..4).
 # Everything else, env and fixes included, is launch.sh's. The startup guards refuse what vllm-gaudi
-# cannot serve with drafts (beam_hpu/settings/guards.py speculation_on_hpu): on Gaudi today that
-# is every Beam launch, because vllm-gaudi's structured-output branch skips the verify step.
+# cannot serve with drafts (beam_hpu/settings/guards.py speculation_on_hpu): a method without a
+# vllm-gaudi proposer, or --async-scheduling. Grammar steps verify through the port patch
+# beam-grammar-verify; vllm-gaudi's rejection sampler is greedy only (temperature 0 requests).
 set -euo pipefail
 
 if [ "$#" -lt 1 ]; then

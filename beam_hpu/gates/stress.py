@@ -43,7 +43,10 @@ def run(ep, profile, **_) -> GateResult:
     complete = sum(g == n for g in got)
     healthy = ep.healthy()
     passed = complete == m and long_ok and healthy and not errors
+    # What went wrong goes into the one line a failing run prints (the details may be cut off).
+    short = "".join(f"; stream {i}: {g} of {n} tokens" for i, g in enumerate(got) if g != n)
     return GateResult("stress", passed,
                       f"{m} streaming decodes of {n} tokens while a {len(long_prompt):,}-token prompt prefills: "
                       f"{complete}/{m} complete, long prompt {'done' if long_ok else 'FAILED'} in {prefill_s:.1f} s, "
-                      f"server {'healthy' if healthy else 'UNHEALTHY'}", {"tokens": got, "errors": errors})
+                      f"server {'healthy' if healthy else 'UNHEALTHY'}{short}"
+                      + "".join(f"; {e}" for e in errors), {"tokens": got, "errors": errors})

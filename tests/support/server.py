@@ -15,7 +15,10 @@ from tests.support.parallel import engine_env, free_port
 
 
 class Server:
-    def __init__(self, model_dir, *, tp=1, ep=False, extra=None, env=None, log_path=None, timeout=600):
+    def __init__(self, model_dir, *, tp=1, ep=False, extra=None, env=None, log_path=None, timeout=600,
+                 host_cpus=None):
+        """`host_cpus`: CPUs for the API server and the engine-core process (the model worker binds
+        itself to VLLM_CPU_OMP_THREADS_BIND whatever they are); None leaves them where the OS puts them."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.model = SERVED_NAME
@@ -25,8 +28,9 @@ class Server:
         full_env.update(env or {})
         self.log_path = Path(log_path or f"/tmp/beam-hpu-serve-{self.port}.log")
         self.log = open(self.log_path, "w")
+        pin = None if host_cpus is None else (lambda: os.sched_setaffinity(0, host_cpus))
         self.proc = subprocess.Popen(self.cmd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=pin)
         self._wait(timeout)
 
     def _wait(self, timeout):

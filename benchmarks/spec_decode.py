@@ -53,7 +53,8 @@ def spec_counters(port: int) -> tuple[float, float]:
 
 
 def make_requests(ep, profile, n: int) -> dict:
-    """Per workload, n request thunks returning completion tokens (the same n for every config)."""
+    """Per workload, n request thunks returning (completion tokens, the answer: text, reasoning
+    and tool calls), the same n for every config."""
     from beam_hpu.gates import tools as tools_gate
     from beam_hpu.gates.common import Filler, user
     from beam_hpu.tiny import tasks as syn
@@ -65,32 +66,43 @@ def make_requests(ep, profile, n: int) -> dict:
         p = passages[i]
         r = ep.client.completions.create(model=ep.model, prompt=p + p[:COPY_RESTART], max_tokens=COPY_TOKENS,
                                          temperature=0.0, extra_body={"ignore_eos": True})
-        return r.usage.completion_tokens
+        return r.usage.completion_tokens, r.choices[0].text
 
     cities = [c for c in syn.CITIES][:max(n, 1)]
 
     def tool(i):
         r = ep.chat(user(syn.weather_prompt(cities[i % len(cities)], 3)), tools=tools_gate.TOOLS, tool_choice="auto",
                     temperature=0.0, max_tokens=profile.tools_max_tokens)
-        return r.usage.completion_tokens
+        return r.usage.completion_tokens, answer(r)
 
     prompts = [p for p, _ in profile.smoke_prompts]
 
     def reasoning(i):
         r = ep.chat(user(prompts[i % len(prompts)]), temperature=0.0, max_tokens=profile.max_tokens_chat)
-        return r.usage.completion_tokens
+        return r.usage.completion_tokens, answer(r)
 
     return {"copy": copy, "tool call": tool, "reasoning": reasoning}
 
 
-def measure(call, streams: int, n: int) -> tuple[float, int]:
+def answer(r) -> str:
+    m = r.choices[0].message
+    extra = m.model_extra or {}
+    calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+    return json.dumps([extra.get("reasoning") or extra.get("reasoning_content"), m.content, calls])
+
+
+def measure(call, streams: int, n: int, answers: dict | None = None) -> tuple[float, int]:
     """(completion tokens per second, tokens): `streams` threads, each running requests
-    i = stream, stream + streams, .. < n * streams."""
+    i = stream, stream + streams, .. < n * streams; each request's answer into `answers[i % n]`
+    (the last one seen)."""
     tokens = [0] * streams
 
     def worker(s):
         for i in range(s, n * streams, streams):
-            tokens[s] += call(i % n)
+            count, text = call(i % n)
+            tokens[s] += count
+            if answers is not None:
+                answers[i % n] = text
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in range(streams)]
     start = time.perf_counter()
@@ -137,7 +149,9 @@ def median(values: list[float]) -> float:
 
 
 def run_rounds(servers: dict, n: int, stream_counts: list[int], rounds: int, workloads=WORKLOADS) -> dict:
-    """results[config][workload|streams] = {"tok_s": [per round], "tokens", "mean_accepted_length"}."""
+    """results[config][workload|streams] = {"tok_s": [per round], "tokens", "mean_accepted_length",
+    "same_answers": how many of the n requests' answers equal none's (temperature 0: lossless
+    drafting gives n, in fp32; see --dtype)}."""
     from beam_hpu.gates.client import Endpoint
     from beam_hpu.gates.profile import get_profile
 
@@ -145,11 +159,12 @@ def run_rounds(servers: dict, n: int, stream_counts: list[int], rounds: int, wor
     calls = {name: make_requests(Endpoint(s.base_url, s.model), profile, n) for name, s in servers.items()}
     names = list(servers)
     results = {name: {} for name in names}
+    answers = {name: {} for name in names}
     for workload in workloads:
         for name in names:
             # Warm every request once: grammar compile, first-shape kernel costs, and the prefix
             # cache, which then holds the same prompts for every configuration.
-            measure(calls[name][workload], 1, n)
+            measure(calls[name][workload], 1, n, answers[name].setdefault(workload, {}))
         for streams in stream_counts:
             key = f"{workload}|{streams}"
             drafted = {name: [0.0, 0.0] for name in names}
@@ -161,7 +176,7 @@ def run_rounds(servers: dict, n: int, stream_counts: list[int], rounds: int, wor
                     time.sleep(IDLE_GAP_S)
                     port = servers[name].port
                     drafts0, accepted0 = spec_counters(port)
-                    speed, tokens = measure(calls[name][workload], streams, n)
+                    speed, tokens = measure(calls[name][workload], streams, n, answers[name][workload])
                     drafts, accepted = spec_counters(port)
                     drafted[name][0] += drafts - drafts0
                     drafted[name][1] += accepted - accepted0
@@ -172,6 +187,9 @@ def run_rounds(servers: dict, n: int, stream_counts: list[int], rounds: int, wor
             for name in names:
                 d, a = drafted[name]
                 results[name][key]["mean_accepted_length"] = 1 + a / d if d else None
+                mine, plain = answers[name][workload], answers["none"][workload]
+                results[name][key]["same_answers"] = sum(mine[i] == plain[i] for i in range(n))
+                results[name][key]["requests"] = n
     return results
 
 
@@ -181,8 +199,8 @@ def print_table(results: dict, names: list[str]):
     print("\nratio = median over rounds of (method tok/s / none tok/s, same round) [min-max]; "
           "none spread = its slowest / fastest round")
     print("| workload | streams | none tok/s | none spread | " + " | ".join(
-        f"{n} tok/s | {n} ratio | {n} accepted len" for n in others) + " |")
-    print("|---" * (4 + 3 * len(others)) + "|")
+        f"{n} tok/s | {n} ratio | {n} accepted len | {n} same answers" for n in others) + " |")
+    print("|---" * (4 + 4 * len(others)) + "|")
     for key, row in base.items():
         workload, streams = key.split("|")
         b = row["tok_s"]
@@ -192,7 +210,7 @@ def print_table(results: dict, names: list[str]):
             ratios = [m / x for m, x in zip(r["tok_s"], b)]
             mal = r["mean_accepted_length"]
             cells += [f"{median(r['tok_s']):.1f}", f"{median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]",
-                      "-" if mal is None else f"{mal:.2f}"]
+                      "-" if mal is None else f"{mal:.2f}", f"{r['same_answers']}/{r['requests']}"]
         print("| " + " | ".join(cells) + " |")
 
 

@@ -12,6 +12,7 @@ vllm_gaudi imports, with get_config answering the recipe's settings).
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 import logging
 import math
@@ -70,12 +71,9 @@ class PaddedBatch:
         return (max(self.batch, batch_size), 1, num_blocks + self.extra)
 
 
-def decode_step(runner_path: Path, *, block_table: torch.Tensor, context_lens: list[int], num_tokens: list[int],
-                token_ids: list[list[int]], block_size: int, window: int, num_kv_blocks: int, bucketing,
-                model_type: str = "beam") -> SimpleNamespace:
-    """_create_decode_input_data for decodes whose sequence s has context_lens[s] tokens in the
-    cache and schedules num_tokens[s] tokens (token_ids[s]) at positions context_lens[s] + j.
-    Returns the method's DecodeInputData (attn_metadata holds slot_mapping, block_list, ...)."""
+@functools.lru_cache(maxsize=4)
+def _decode_functions(runner_path: Path):
+    """(_create_decode_input_data, get_habana_paged_attn_buffers) of the file, parsed once."""
     helpers = dict(torch=torch, np=np, itertools=itertools, math=math)
     exact = load(runner_path, "exact_decode_window", **helpers)
     marks = load(runner_path, "mark_window_starts", **helpers)
@@ -87,6 +85,16 @@ def decode_step(runner_path: Path, *, block_table: torch.Tensor, context_lens: l
                   HPUAttentionMetadataV1=SimpleNamespace(make_decode_metadata=lambda **kw: SimpleNamespace(**kw)),
                   DecodeInputData=lambda **kw: SimpleNamespace(**kw),
                   EXACT_DECODE_WINDOW_MODELS=("gpt_oss", ), exact_decode_window=exact, mark_window_starts=marks)
+    return method, paged
+
+
+def decode_step(runner_path: Path, *, block_table: torch.Tensor, context_lens: list[int], num_tokens: list[int],
+                token_ids: list[list[int]], block_size: int, window: int, num_kv_blocks: int, bucketing,
+                model_type: str = "beam") -> SimpleNamespace:
+    """_create_decode_input_data for decodes whose sequence s has context_lens[s] tokens in the
+    cache and schedules num_tokens[s] tokens (token_ids[s]) at positions context_lens[s] + j.
+    Returns the method's DecodeInputData (attn_metadata holds slot_mapping, block_list, ...)."""
+    method, paged = _decode_functions(runner_path)
     positions = [c + j for c, n in zip(context_lens, num_tokens) for j in range(n)]
     ids = [t for row in token_ids for t in row]
     runner = SimpleNamespace(

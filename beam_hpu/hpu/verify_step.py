@@ -13,10 +13,19 @@ previous block instead of its own keys, in full-attention and sliding layers ali
 `verify_step_block_tables` gives every real row the table up to the block holding its own
 position, so every row has its own causal (and, through `window.decode_window_tables`, its own
 exact sliding) window. Padding rows (j at or past the sequence's scheduled tokens) keep the stock
-table: they are not read.
+table: their outputs are not read.
+
+A padding row is also a KV write. vllm-gaudi pads each sequence's positions with 0, so a padding
+row's slot is that of the sequence's position 0 (block_table[s, 0] * block_size): its K/V (token 0,
+attending the whole stock table) would overwrite the real position 0 in every layer, a key every
+later full-attention query reads and that no later step rewrites; with prefix caching the block is
+shared with other requests. Only padded sequences (past num_decodes) get vllm-gaudi's pad-block
+slots. `verify_step_padding_slots` gives the padding rows of real sequences pad-block slots too.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 
@@ -42,3 +51,25 @@ def verify_step_block_tables(block_table: torch.Tensor, context_lens: list[int],
             else:
                 rows.append(stock)
     return rows
+
+
+def verify_step_padding_slots(slot_mapping: torch.Tensor, num_tokens_per_req: list[int], num_decodes: int,
+                              pad_slots: Iterator[int]) -> torch.Tensor:
+    """slot_mapping ([padded batch, num_tokens], before flattening) with row j of every real
+    sequence s (s < num_decodes) at or past num_tokens_per_req[s] pointed at the next slot of
+    `pad_slots` (the runner's cycle over its pad block, so padding slots stay distinct); real rows
+    and the padded sequences' rows are unchanged."""
+    if slot_mapping.dim() != 2:
+        raise ValueError(f"verify step: slot mapping must be [batch, tokens], got shape {tuple(slot_mapping.shape)}")
+    if not 0 <= num_decodes <= min(slot_mapping.shape[0], len(num_tokens_per_req)):
+        raise ValueError(f"verify step: {num_decodes} decodes for a slot mapping of {slot_mapping.shape[0]} "
+                         f"sequences and {len(num_tokens_per_req)} token counts")
+    num_tokens = slot_mapping.shape[1]
+    out = slot_mapping.clone()
+    for s in range(num_decodes):
+        n = int(num_tokens_per_req[s])
+        if not 1 <= n <= num_tokens:
+            raise ValueError(f"verify step: sequence {s} schedules {n} tokens, the step has rows for 1..{num_tokens}")
+        for j in range(n, num_tokens):
+            out[s, j] = next(pad_slots)
+    return out

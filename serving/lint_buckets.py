@@ -14,12 +14,16 @@ batch * ceil(max_model_len / block_size)). Checked:
   max_model_len) falls in some bucket, and the sliding-window block list of each padded batch
   fits that batch size's smallest bucket (else one batch shape captures two graphs);
 - no bucket is for a batch the flags never form, and the number of decode graphs stays within
-  the stated limit (each captured graph holds device memory).
+  the stated limit (each captured graph holds device memory); with `--speculative` (the recipe's
+  speculative variant, k drafted tokens) counted as vllm-gaudi generates them under speculation:
+  every seed decode bucket (b, 1, c) also gives (b(k+1), 1, c) when b(k+1) <= c and
+  (b(k+1), 1, c(k+1)), both capped at b(k+1) rows' blocks at max_model_len (VLLM_CONTIGUOUS_PA=false,
+  the recipe's), so up to three graphs per seed.
 
 A runtime lookup that misses every bucket compiles a fallback graph mid-serving; a dropped or
 unreachable bucket wastes warmup time and graph memory.
 
-Usage (from the repository root): python -m serving.lint_buckets [FILE] [--recipe recipe.yaml]
+Usage (from the repository root): python -m serving.lint_buckets [FILE] [--recipe recipe.yaml] [--speculative]
 Exit status 0 when clean, 1 with one `FILE:LINE: problem` per problem otherwise.
 """
 
@@ -163,7 +167,21 @@ def _covering_decode_problems(decodes: dict[tuple[int, int, int], Bucket], g: Ge
     return problems
 
 
-def lint_bucket_text(text: str, g: Geometry) -> list[str]:
+def speculative_decode_buckets(seeds, speculative_tokens: int, g: Geometry) -> set[tuple[int, int, int]]:
+    """The decode buckets vllm-gaudi prepares from seed decode buckets when it verifies
+    `speculative_tokens` drafts per step (its verify rows are batch x (k+1) one-token rows)."""
+    rows_per_seq = 1 + speculative_tokens
+    per_seq = math.ceil(g.max_model_len / g.block_size)
+    out = set(seeds)
+    for b, q, c in seeds:
+        rows = b * rows_per_seq
+        if rows <= c:
+            out.add((rows, q, min(c, rows * per_seq)))
+        out.add((rows, q, min(c * rows_per_seq, rows * per_seq)))
+    return out
+
+
+def lint_bucket_text(text: str, g: Geometry, speculative_tokens: int = 0) -> list[str]:
     buckets, problems = parse_bucket_text(text)
     prompts: list[Bucket] = []
     decodes: dict[tuple[int, int, int], Bucket] = {}
@@ -190,6 +208,13 @@ def lint_bucket_text(text: str, g: Geometry) -> list[str]:
     problems += _covering_decode_problems(decodes, g)
     if len(decodes) > g.max_decode_graphs:
         problems.append(f"decode: {len(decodes)} buckets, each a captured graph; the limit is {g.max_decode_graphs}")
+    elif speculative_tokens:
+        graphs = len(speculative_decode_buckets(decodes, speculative_tokens, g))
+        if graphs > g.max_decode_graphs:
+            problems.append(
+                f"decode: with {speculative_tokens} speculative tokens vllm-gaudi prepares {graphs} decode buckets from "
+                f"these {len(decodes)} (batch x {speculative_tokens + 1} verify rows), each a captured graph; the limit "
+                f"is {g.max_decode_graphs}")
     return sorted(problems, key=_line_of)
 
 
@@ -199,14 +224,28 @@ def _line_of(problem: str) -> float:
     return int(head) if head.isdigit() else math.inf
 
 
+def speculative_tokens(recipe: dict) -> int:
+    """num_speculative_tokens of the recipe's speculative variant."""
+    import json
+
+    try:
+        config = json.loads(recipe["speculative"]["serve"]["speculative-config"])
+        return int(config["num_speculative_tokens"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"recipe: speculative.serve.speculative-config has no num_speculative_tokens ({e!r})") from e
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Lint a vllm-gaudi bucket file against the launch flags.")
     parser.add_argument("file", type=Path, nargs="?", help="default: serving/<buckets.file of the recipe>")
     parser.add_argument("--recipe", type=Path, default=SERVING_DIR / "recipe.yaml", help="launch flags and limits")
+    parser.add_argument("--speculative", action="store_true",
+                        help="lint for the recipe's speculative variant (its --speculative-config's num_speculative_tokens)")
     args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe)
     path = args.file or SERVING_DIR / recipe["buckets"]["file"]
-    problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe))
+    k = speculative_tokens(recipe) if args.speculative else 0
+    problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe), k)
     for problem in problems:
         print(f"{path}:{problem}" if problem[:1].isdigit() else f"{path}: {problem}", file=sys.stderr)
     return 1 if problems else 0

@@ -31,13 +31,13 @@ PER_SEQ = math.ceil(GEOMETRY.max_model_len / BS)  # a sequence's most blocks
 KV_BLOCKS = 776_448 // BS  # the recipe's KV pool per replica
 
 
-def recipe_buckets(root):
+def recipe_buckets(root, drafts=DRAFTS):
     """The tree's bucketing manager after vllm-gaudi's decode bucket generation (no fix touches
     extension/bucketing/)."""
     manager = bucketing_manager(root, recipe_bucket_config(SERVING_DIR / RECIPE["buckets"]["file"]))()
     manager.initialize(max_num_seqs=GEOMETRY.max_num_seqs, max_num_prefill_seqs=GEOMETRY.max_prefill_batch_size,
                        block_size=BS, max_num_batched_tokens=GEOMETRY.max_num_batched_tokens,
-                       max_model_len=GEOMETRY.max_model_len, num_speculative_tokens=DRAFTS)
+                       max_model_len=GEOMETRY.max_model_len, num_speculative_tokens=drafts)
     manager.num_hpu_blocks = KV_BLOCKS
     manager.generate_decode_buckets()
     return manager
@@ -78,6 +78,17 @@ def test_spec_buckets_are_the_seeds_times_k_plus_1():
         top = max(b[2] for b in added if b[0] == batch * (DRAFTS + 1))
         assert top == batch * (DRAFTS + 1) * PER_SEQ
     assert len(seeds) <= GEOMETRY.max_decode_graphs < len(manager.decode_buckets)
+
+
+def test_the_linters_speculative_graph_count_is_the_trees(tree):
+    # serving/lint_buckets.py counts the graphs of the speculative variant by its own formula;
+    # the tree's manager, run on the same file, must prepare exactly those buckets
+    from serving.lint_buckets import speculative_decode_buckets
+
+    for drafts in (1, 2, DRAFTS, 7):
+        manager = recipe_buckets(tree.root, drafts)
+        ours = speculative_decode_buckets(manager.seed_decode_buckets, drafts, GEOMETRY)
+        assert ours == set(manager.decode_buckets), drafts
 
 
 def test_a_crossing_row_at_a_bucket_edge_moves_the_port_to_the_next_prepared_bucket(tree):

@@ -73,3 +73,34 @@ def test_async_scheduling_and_unsupported_methods_are_named():
 
 def test_the_recipe_without_speculation_is_not_affected():
     check_startup({}, flags_as_vllm_args(recipe_flags(RECIPE)), device_type="hpu")
+
+
+def test_the_bucket_linter_counts_the_graphs_speculation_adds():
+    # By hand, max_model_len 1024 / block 128 = 8 blocks a sequence, 1 draft (2 rows a sequence):
+    # (1, 1, 4) gives (2, 1, 4) and (2, 1, 8); (2, 1, 8) gives (4, 1, 8) and (4, 1, 16); (2, 1, 8) twice
+    from serving.lint_buckets import speculative_decode_buckets
+    from serving.recipe import Geometry
+
+    g = Geometry(block_size=128, max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=2048,
+                 max_prefill_batch_size=1, sliding_window=0, max_decode_graphs=4)
+    assert speculative_decode_buckets({(1, 1, 4), (2, 1, 8)}, 1, g) == {
+        (1, 1, 4), (2, 1, 8), (2, 1, 4), (4, 1, 8), (4, 1, 16)}
+    # the cap: 2 rows at max_model_len hold 16 blocks, and no row fits in fewer blocks than rows
+    assert speculative_decode_buckets({(1, 1, 8)}, 3, g) == {(1, 1, 8), (4, 1, 8), (4, 1, 32)}
+    assert speculative_decode_buckets({(4, 1, 8)}, 1, g) == {(4, 1, 8), (8, 1, 8), (8, 1, 16)}
+    assert speculative_decode_buckets({(8, 1, 8)}, 1, g) == {(8, 1, 8), (16, 1, 16)}
+
+
+def test_lint_buckets_speculative_reports_the_variants_graphs_over_the_limit():
+    # The recipe's bucket file is clean for the recipe; its speculative variant (4 drafts) makes
+    # vllm-gaudi prepare three graphs per decode seed, over the graph-memory limit: said, not hidden
+    import sys
+
+    plain = subprocess.run([sys.executable, "-m", "serving.lint_buckets"], cwd=REPO, capture_output=True, text=True)
+    assert plain.returncode == 0, plain.stderr
+    spec = subprocess.run([sys.executable, "-m", "serving.lint_buckets", "--speculative"], cwd=REPO,
+                          capture_output=True, text=True)
+    k = json.loads(VARIANT["serve"]["speculative-config"])["num_speculative_tokens"]
+    assert spec.returncode == 1
+    assert (f"decode: with {k} speculative tokens vllm-gaudi prepares 69 decode buckets from these 23 "
+            f"(batch x {k + 1} verify rows), each a captured graph; the limit is 25") in spec.stderr

@@ -5,10 +5,16 @@ import os
 import pytest
 import torch
 
+from tests.support.gaudi_tree import ensure_gaudi_fixes_root
+
 from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint, write_tiny_fp8_checkpoint
 from beam_hpu.tiny.checkpoint import CONDITIONED_POST_NORM_GAIN, write_tiny_checkpoint
 
 PRESET, SEED = "small", 0
+
+# Before any test module reads it: the Gaudi-side tests run on ../shared's vllm-gaudi tree when the
+# caller named none (tests/support/gaudi_tree.py).
+ensure_gaudi_fixes_root()
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One worker per core (`-n 2`): a worker's own torch work (the transformers oracle, training

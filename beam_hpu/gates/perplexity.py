@@ -3,8 +3,8 @@
 Reference, per passage (token ids fixed in advance):
   - live (CPU, `--reference-checkpoint DIR`): the per-token FP8 reference of `beam_hpu.quant.reference`
     for an FP8 checkpoint, transformers' Beam for an unquantised one, computed at the profile's
-    `reference_dtype` (the server's precision, bf16). The top-1 floor is what a second model
-    reaches against that reference: for FP8, transformers' Beam with the weights dequantised
+    `reference_dtype` (the server's precision: bf16 on the node, float32 in the CPU profile). The
+    top-1 floor is what a second model reaches against that reference: for FP8, transformers' Beam with the weights dequantised
     (no activation rounding); unquantised, transformers' Beam at the other precision.
   - stored (the 501B model, `--reference-file FILE`): a JSON file in the format below, written by
     `write_reference_file` on a CPU host that can hold the model.

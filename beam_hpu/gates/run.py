@@ -1,5 +1,6 @@
 """Run the gates: python -m beam_hpu.gates.run --base-url URL --model NAME [--only GATE ...]
-[--profile cpu|gaudi] [--json OUT] [--reference-checkpoint DIR | --reference-file FILE].
+[--profile cpu|gaudi] [--json OUT] [--reference-checkpoint DIR | --reference-file FILE]
+[--reference-dtype bfloat16|float32].
 Exit code 0 when every gate run passed."""
 
 from __future__ import annotations
@@ -41,9 +42,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="gates.json", help="where to write the JSON report")
     ap.add_argument("--reference-checkpoint", help="perplexity: compute the reference live from this checkpoint")
     ap.add_argument("--reference-file", help="perplexity: stored reference figures (format in gates/perplexity.py)")
+    ap.add_argument("--reference-dtype", choices=("bfloat16", "float32"),
+                    help="perplexity: precision of a live reference, the server's --dtype (default: the "
+                         "profile's; cpu: float32, gaudi: bfloat16)")
     args = ap.parse_args(argv)
     ep = Endpoint(args.base_url, args.model)
-    profile = get_profile(args.profile)
+    overrides = {"reference_dtype": args.reference_dtype} if args.reference_dtype else {}
+    profile = get_profile(args.profile, **overrides)
     results = run_gates(ep, profile, args.only, reference_checkpoint=args.reference_checkpoint,
                         reference_file=args.reference_file)
     print(table(results))

@@ -16,7 +16,9 @@ unnamed one is a graph the count against max_decode_graphs does not include.
 Usage (from the repository root): python -m serving.decode_padding [FILE ...] [--speculative-tokens K]
 Without FILE: the recipe's file as launch.sh serves it (no drafts) and the speculative variant's
 file at the variant's k; each FILE is read at K drafts (default 0).
-Each cell is rows x / blocks x: the padded step's rows and KV blocks over the step's own.
+Each cell is rows x / blocks x: the padded step's rows and KV blocks over the step's own. The
+last column is the sliding-window block list's (every row's last window blocks, padded to a
+bucket of the step's rows; with Beam's window of 512 that list is read by 43 of its 52 layers).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 import sys
 from pathlib import Path
 
+from beam_hpu.hpu.window import window_block_count
 from serving.lint_buckets import parse_bucket_text, speculative_decode_buckets, speculative_tokens, vllm_gaudi_filter
 from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry
 
@@ -105,7 +108,8 @@ def report(name: str, text: str, g: Geometry, k: int) -> list[str]:
     # vllm-gaudi's warmup takes a decode graph's memory as proportional to its batch (rows).
     lines = [head, f" rows over all prepared graphs (vllm-gaudi's warmup: decode graph memory in proportion to rows): "
                    f"{sum(b for b, _, _ in prepared)}"]
-    header = "  batch " + "".join(f"{c // 1024:>11}K" for c in TABLE_CONTEXTS) + f"   worst from {WORST_FROM_TOKENS // 1024}K"
+    header = ("  batch " + "".join(f"{c // 1024:>11}K" for c in TABLE_CONTEXTS) + f"   worst from {WORST_FROM_TOKENS // 1024}K"
+              + "   window blocks x")
     per_seq = math.ceil(g.max_model_len / g.block_size)
     kinds = [("plain decode, rows x / blocks x", None)] + ([(f"verify, {k + 1} tokens a sequence", k + 1)] if k else [])
     for title, t in kinds:
@@ -118,7 +122,8 @@ def report(name: str, text: str, g: Geometry, k: int) -> list[str]:
                 cells.append(_cell(seeds, prepared, n, math.ceil(tokens / g.block_size), t))
             worst = max((_factors(seeds, prepared, n, bps, t) or (math.inf, math.inf))[1]
                         for bps in range(math.ceil(WORST_FROM_TOKENS / g.block_size) + 1, per_seq + 1))
-            lines.append(f"  {n:>5} " + "".join(f"{c:>12}" for c in cells) + f"   blocks x {worst:.2f}")
+            lines.append(f"  {n:>5} " + "".join(f"{c:>12}" for c in cells) + f"   blocks x {worst:.2f}"
+                         + f"   {_window_factor(seeds, prepared, n, t, g)}")
     return lines
 
 
@@ -128,6 +133,18 @@ def _factors(seeds, prepared, n: int, blocks_per_seq: int, t: int | None):
         bucket = plain_step(prepared, n, blocks)
         return padding(bucket and (bucket[0], bucket[2]), n, blocks)
     return padding(verify_step(seeds, prepared, n, blocks, t), n * t, t * blocks)
+
+
+def _window_factor(seeds, prepared, n: int, t: int | None, g: Geometry) -> str:
+    """The sliding-window block list (its blocks a row, any context past the window) over its
+    padded bucket's blocks: vllm-gaudi pads it to a decode bucket of the step's rows too."""
+    if not g.sliding_window:
+        return "-"
+    per_row = window_block_count(g.sliding_window, g.block_size)
+    seed = lookup(prepared if t is None else seeds, n, n * per_row)
+    rows = seed[0] * (t or 1)
+    bucket = lookup(prepared, rows, rows * per_row)
+    return "no bucket" if bucket is None else f"{bucket[2] / (n * (t or 1) * per_row):.2f}"
 
 
 def _cell(seeds, prepared, n, blocks_per_seq, t) -> str:

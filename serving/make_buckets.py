@@ -17,10 +17,11 @@ The speculative variant (serving/launch-speculative.sh, `--speculative`) gets a 
 vllm-gaudi turns each decode bucket of the file into up to three graphs under speculation (the
 bucket, and batch x (k+1) verify rows at the same and at (k+1) times the blocks), so the
 recipe's 23 become 69. Its file keeps the prompt buckets and seeds decode with batch 1, 4 and 16
-only, at 64K and 256K per sequence for batch 1 and 16K, 64K and 256K for batch 4 and 16: 8
-seeds, at most 24 graphs for any k. Batches 2, 3 pad to 4 rows, 5 to 15 to 16 (vllm-gaudi's
-spec buckets of batch 1 serve plain decode steps of 5 sequences); `python -m
-serving.decode_padding` prints what each file pads.
+only, at 4K and 256K per sequence for batch 1 and 4K, 64K and 256K for batch 4 and 16: 8 seeds,
+at most 24 graphs for any k. Each batch keeps its 4K tier because the sliding-window block list
+(5 blocks a row) is padded to a decode bucket too, in 43 of the 52 layers. Batches 2, 3 pad to 4
+rows, 5 to 15 to 16 (vllm-gaudi's spec buckets of batch 1 serve plain decode steps of 5
+sequences); `python -m serving.decode_padding` prints what each file pads.
 
 Usage (from the repository root):
     python -m serving.make_buckets            # rewrite serving/<buckets.file from recipe.yaml>
@@ -45,7 +46,7 @@ DECODE_TIERS_TOKENS = (4096, 16384, 65536, 131072, 262144)
 # From this batch size on, the 128K tier is left out (see the module docstring).
 DECODE_SKIP_128K_FROM_BATCH = 8
 # Decode seeds of the speculative variant: batch -> tokens per sequence of each tier.
-SPECULATIVE_DECODE_TIERS = {1: (65536, 262144), 4: (16384, 65536, 262144), 16: (16384, 65536, 262144)}
+SPECULATIVE_DECODE_TIERS = {1: (4096, 262144), 4: (4096, 65536, 262144), 16: (4096, 65536, 262144)}
 
 
 def exponential_points(low: int, step: int, high: int, count: int) -> list[int]:

@@ -33,6 +33,8 @@ export BEAM_PREFILL_INFLIGHT=1
 export BEAM_FSDPA_WS_GIB=2
 export BEAM_FSDPA_Q_TILE=256
 export BEAM_GRAMMAR_DEVICE_MASK=1
+# serving/launch-speculative.sh serves with its own bucket file (recipe.yaml speculative.env).
+if [ -n "${VARIANT_BUCKETING_FROM_FILE:-}" ]; then VLLM_BUCKETING_FROM_FILE=$VARIANT_BUCKETING_FROM_FILE; fi
 
 # Fixes: the v0.30.0 profile, in the pack's order.
 # Stops with a non-zero exit code if the image does not match.

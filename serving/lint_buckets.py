@@ -24,6 +24,7 @@ A runtime lookup that misses every bucket compiles a fallback graph mid-serving;
 unreachable bucket wastes warmup time and graph memory.
 
 Usage (from the repository root): python -m serving.lint_buckets [FILE] [--recipe recipe.yaml] [--speculative]
+FILE defaults to the recipe's buckets.file, with --speculative to its speculative.buckets.file.
 Exit status 0 when clean, 1 with one `FILE:LINE: problem` per problem otherwise.
 """
 
@@ -214,7 +215,8 @@ def lint_bucket_text(text: str, g: Geometry, speculative_tokens: int = 0) -> lis
             problems.append(
                 f"decode: with {speculative_tokens} speculative tokens vllm-gaudi prepares {graphs} decode buckets from "
                 f"these {len(decodes)} (batch x {speculative_tokens + 1} verify rows), each a captured graph; the limit "
-                f"is {g.max_decode_graphs}")
+                f"is {g.max_decode_graphs} (recipe.yaml buckets.max_decode_graphs); the variant's file has fewer decode "
+                "seeds (python -m serving.make_buckets --speculative)")
     return sorted(problems, key=_line_of)
 
 
@@ -237,13 +239,15 @@ def speculative_tokens(recipe: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Lint a vllm-gaudi bucket file against the launch flags.")
-    parser.add_argument("file", type=Path, nargs="?", help="default: serving/<buckets.file of the recipe>")
+    parser.add_argument("file", type=Path, nargs="?",
+                        help="default: serving/<buckets.file of the recipe>, with --speculative <speculative.buckets.file>")
     parser.add_argument("--recipe", type=Path, default=SERVING_DIR / "recipe.yaml", help="launch flags and limits")
     parser.add_argument("--speculative", action="store_true",
                         help="lint for the recipe's speculative variant (its --speculative-config's num_speculative_tokens)")
     args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe)
-    path = args.file or SERVING_DIR / recipe["buckets"]["file"]
+    section = recipe["speculative"] if args.speculative else recipe
+    path = args.file or SERVING_DIR / section["buckets"]["file"]
     k = speculative_tokens(recipe) if args.speculative else 0
     problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe), k)
     for problem in problems:

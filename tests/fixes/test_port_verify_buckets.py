@@ -1,13 +1,16 @@
 """Decode buckets of a speculative verify step on the recipe's flags, against the vllm-gaudi tree
 named by GAUDI_FIXES_ROOT (skipped without it).
 
-The tree's own HPUBucketingManager reads the recipe's bucket file (VLLM_BUCKETING_FROM_FILE,
+The tree's own HPUBucketingManager reads the recipe's bucket file or the speculative variant's
+(serving/launch-speculative.sh's; VLLM_BUCKETING_FROM_FILE,
 VLLM_CONTIGUOUS_PA=false, --block-size, --max-model-len, --max-num-seqs from serving/recipe.yaml)
 with the speculative variant's 4 drafts, and the tree's whole _create_decode_input_data builds
 each step (decode_step.py). The port's per-row block tables (a row past a block boundary gets one
 block more) make a step's block list up to one block per crossing row longer than stock's; every
 such list must still land in a prepared bucket (no fallback bucket added mid-serving, no list
-longer than its bucket), for the full and the sliding-window block lists alike.
+longer than its bucket), for the full and the sliding-window block lists alike. The variant's
+file prepares, by the tree's count, what serving/lint_buckets.py counts, within the recipe's
+graph limit, and serving/decode_padding.py pads steps as the tree's lookups and decode step do.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from decode_step import bucketing_manager, decode_step, recipe_bucket_config
 from test_fixes_gaudi import ROOT_ENV, pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
@@ -31,10 +35,14 @@ PER_SEQ = math.ceil(GEOMETRY.max_model_len / BS)  # a sequence's most blocks
 KV_BLOCKS = 776_448 // BS  # the recipe's KV pool per replica
 
 
-def recipe_buckets(root, drafts=DRAFTS):
+RECIPE_FILE = SERVING_DIR / RECIPE["buckets"]["file"]
+VARIANT_FILE = SERVING_DIR / RECIPE["speculative"]["buckets"]["file"]
+
+
+def recipe_buckets(root, drafts=DRAFTS, bucket_file=RECIPE_FILE):
     """The tree's bucketing manager after vllm-gaudi's decode bucket generation (no fix touches
     extension/bucketing/)."""
-    manager = bucketing_manager(root, recipe_bucket_config(SERVING_DIR / RECIPE["buckets"]["file"]))()
+    manager = bucketing_manager(root, recipe_bucket_config(bucket_file))()
     manager.initialize(max_num_seqs=GEOMETRY.max_num_seqs, max_num_prefill_seqs=GEOMETRY.max_prefill_batch_size,
                        block_size=BS, max_num_batched_tokens=GEOMETRY.max_num_batched_tokens,
                        max_model_len=GEOMETRY.max_model_len, num_speculative_tokens=drafts)
@@ -104,8 +112,13 @@ def test_a_crossing_row_at_a_bucket_edge_moves_the_port_to_the_next_prepared_buc
     assert_in_prepared_buckets(manager, rows, full, window)
 
 
-def test_verify_steps_at_max_model_len_fit_the_top_bucket(tree):
-    manager = recipe_buckets(tree.root)
+@pytest.fixture(params=[RECIPE_FILE, VARIANT_FILE], ids=lambda p: p.name)
+def bucket_file(request):
+    return request.param
+
+
+def test_verify_steps_at_max_model_len_fit_the_top_bucket(tree, bucket_file):
+    manager = recipe_buckets(tree.root, bucket_file=bucket_file)
     ctx = GEOMETRY.max_model_len - (DRAFTS + 1)  # the last verify step a sequence can take
     for num_decodes in (1, 16):
         rows, full, window = verify(tree, manager, [ctx] * num_decodes, [DRAFTS + 1] * num_decodes)
@@ -114,8 +127,8 @@ def test_verify_steps_at_max_model_len_fit_the_top_bucket(tree):
         assert_in_prepared_buckets(manager, rows, full, window)
 
 
-def test_verify_steps_land_in_prepared_buckets(tree):
-    manager = recipe_buckets(tree.root)
+def test_verify_steps_land_in_prepared_buckets(tree, bucket_file):
+    manager = recipe_buckets(tree.root, bucket_file=bucket_file)
     rng = np.random.default_rng(16)
     edges = [b * BS + d for b in (1, 4, 32, 128, 512, 1024, 2047) for d in range(-DRAFTS - 1, 2)]
     for _ in range(48):
@@ -126,3 +139,46 @@ def test_verify_steps_land_in_prepared_buckets(tree):
         rows, full, window = verify(tree, manager, ctx, counts)
         assert rows % max(counts) == 0 and rows // max(counts) in {b[0] for b in manager.seed_decode_buckets}
         assert_in_prepared_buckets(manager, rows, full, window)
+
+
+def test_the_variants_file_prepares_the_linters_count_within_the_graph_limit():
+    from serving.lint_buckets import speculative_decode_buckets
+
+    for drafts in (1, 2, 3, DRAFTS, 7):
+        manager = recipe_buckets(Path(ROOT_ENV), drafts, VARIANT_FILE)
+        assert {b[0] for b in manager.seed_decode_buckets} == {1, 4, 16}
+        ours = speculative_decode_buckets(manager.seed_decode_buckets, drafts, GEOMETRY)
+        assert ours == set(manager.decode_buckets), drafts
+        assert len(manager.decode_buckets) <= GEOMETRY.max_decode_graphs, drafts
+    assert len(recipe_buckets(Path(ROOT_ENV), DRAFTS, VARIANT_FILE).decode_buckets) == 24
+
+
+def test_decode_padding_looks_buckets_up_as_the_tree_does(bucket_file):
+    from serving.decode_padding import lookup, plain_step
+
+    manager = recipe_buckets(Path(ROOT_ENV), bucket_file=bucket_file)
+    seeds, prepared = list(manager.seed_decode_buckets), list(manager.decode_buckets)
+    for n in range(1, GEOMETRY.max_num_seqs + 1):
+        for blocks in sorted({n, n * 5, n * 32 + 1, n * 129, n * 512, n * 1025, n * PER_SEQ - 1, n * PER_SEQ}):
+            assert plain_step(prepared, n, blocks) == manager.find_decode_bucket(n, blocks), (n, blocks)
+            assert lookup(seeds, n, blocks) == manager.find_decode_bucket(n, blocks, True), (n, blocks)
+    assert manager.decode_buckets == prepared  # no fallback bucket was added
+
+
+def test_decode_padding_predicts_the_trees_verify_steps(tree, bucket_file):
+    # contexts where no verify row crosses a block boundary, so the port's per-row tables are
+    # stock's: the step's rows and padded block list are what serving/decode_padding.py says
+    from serving.decode_padding import verify_step
+
+    manager = recipe_buckets(tree.root, bucket_file=bucket_file)
+    seeds, prepared = list(manager.seed_decode_buckets), list(manager.decode_buckets)
+    rng = np.random.default_rng(23)
+    for _ in range(24):
+        n = int(rng.choice([1, 2, 3, 4, 5, 8, 12, 16]))
+        ctx = [int(rng.choice([1, 31, 127, 500, 1023, 2040])) * BS + int(rng.integers(0, BS - DRAFTS - 1))
+               for _ in range(n)]
+        counts = [int(rng.integers(1, DRAFTS + 2)) for _ in range(n)]
+        counts[0] = max(counts[0], 2)
+        rows, full, _ = verify(tree, manager, ctx, counts)
+        blocks = sum(math.ceil((c + 1) / BS) for c in ctx)
+        assert (rows, full[1]) == verify_step(seeds, prepared, n, blocks, max(counts)), (ctx, counts)

@@ -12,7 +12,8 @@
  5. BeamConfig               the published config's fields parse and validate
  6. template and parsers     the chat template renders a tool turn and the parsers read it back
  7. switches                 the environment's switches parse; the recipe's launch passes the guards
- 8. bucket file              $COOKBOOK/ports/beam-1-0/serving/<file> exists and lints
+ 8. bucket file              $COOKBOOK/ports/beam-1-0/serving/<file> of the recipe and of its speculative
+                             variant exist and lint (the variant at its drafts, within the graph limit)
 
 Gates 1-2 need a vllm-gaudi tree (installed, or --root vllm_gaudi=DIR): without one they SKIP
 with the reason (the CPU proving ground). Exit 0 when no gate failed, 1 otherwise.
@@ -229,20 +230,26 @@ def gate_switches() -> str:
 
 
 def gate_buckets(cookbook: Path) -> str:
-    from serving.lint_buckets import lint_bucket_text
+    """The recipe's bucket file and the speculative variant's, each linted for its own launch
+    (the variant's at its num_speculative_tokens, against the same graph limit)."""
+    from serving.lint_buckets import lint_bucket_text, speculative_tokens
     from serving.recipe import load_recipe, recipe_geometry
 
     recipe = load_recipe()
-    path = cookbook / PORT_SERVING / recipe["buckets"]["file"]
-    expected = recipe["env"]["VLLM_BUCKETING_FROM_FILE"]
-    if not str(expected).endswith(str(PORT_SERVING / recipe["buckets"]["file"])):
-        raise AssertionError(f"the recipe's VLLM_BUCKETING_FROM_FILE {expected} is not {PORT_SERVING}/...")
-    if not path.is_file():
-        raise AssertionError(f"{path} does not exist (the recipe's VLLM_BUCKETING_FROM_FILE)")
-    problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe))
-    if problems:
-        raise AssertionError(f"{path}: {len(problems)} problems, first: {problems[0]}")
-    return f"{path} lints against the recipe's flags"
+    linted = []
+    for where, section, k in (("recipe", recipe, 0), ("speculative variant", recipe["speculative"],
+                                                       speculative_tokens(recipe))):
+        path = cookbook / PORT_SERVING / section["buckets"]["file"]
+        expected = section["env"]["VLLM_BUCKETING_FROM_FILE"]
+        if not str(expected).endswith(str(PORT_SERVING / section["buckets"]["file"])):
+            raise AssertionError(f"the {where}'s VLLM_BUCKETING_FROM_FILE {expected} is not {PORT_SERVING}/...")
+        if not path.is_file():
+            raise AssertionError(f"{path} does not exist (the {where}'s VLLM_BUCKETING_FROM_FILE)")
+        problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe), k)
+        if problems:
+            raise AssertionError(f"{path}: {len(problems)} problems, first: {problems[0]}")
+        linted.append(f"{path.name} ({where}{f', {k} drafts' if k else ''})")
+    return f"{' and '.join(linted)} lint against the recipe's flags"
 
 
 def run_gates(args) -> list[Result]:

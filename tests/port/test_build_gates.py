@@ -46,3 +46,18 @@ def test_build_gates_fail_and_say_why(tmp_path):
     assert "FAIL" in got["gate 7 switches"] and "BEAM_GRAMMAR_DEVICE_MASK='maybe'" in got["gate 7 switches"]
     assert "FAIL" in got["gate 8 bucket file"] and "does not exist" in got["gate 8 bucket file"]
     assert proc.stdout.rstrip().splitlines()[-1].startswith("build gates: ")
+
+
+def test_build_gate_refuses_a_speculative_variant_file_over_the_graph_limit(tmp_path):
+    """The variant's file replaced by the recipe's: 69 decode graphs at 4 drafts, over the limit."""
+    serving = tmp_path / "ports/beam-1-0/serving"
+    serving.mkdir(parents=True)
+    recipe_file = (REPO / "serving/tp8-seqs16-256k.txt").read_text()
+    (serving / "tp8-seqs16-256k.txt").write_text(recipe_file)
+    (serving / "tp8-seqs16-256k-spec.txt").write_text(recipe_file)
+    got = {g.split(":")[0]: g for g in lines(gates("--cookbook", str(tmp_path)))}
+    line = got["gate 8 bucket file"]
+    assert "FAIL" in line and "tp8-seqs16-256k-spec.txt" in line and "limit is 25" in line, line
+    (serving / "tp8-seqs16-256k-spec.txt").write_text((REPO / "serving/tp8-seqs16-256k-spec.txt").read_text())
+    got = {g.split(":")[0]: g for g in lines(gates("--cookbook", str(tmp_path)))}
+    assert ": PASS: " in got["gate 8 bucket file"] and "speculative variant, 4 drafts" in got["gate 8 bucket file"], got

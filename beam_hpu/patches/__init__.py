@@ -130,7 +130,7 @@ INDEX: tuple[RuntimePatch, ...] = (
         why="vLLM 0.30.0's rejection sampler launches its Triton kernels through JIT-warmup "
             "dispatchers that keep the kernels themselves; vLLM-CPU swaps only the module-level "
             "kernel names, so the first speculative verify step dies (no Triton CPU backend).",
-        how="Replaces both functions by beam_hpu.cpu.rejection_sampling.verify / expand_per_request "
+        how="Replaces both functions by beam_hpu.speculative.rejection_sampling.verify / expand_per_request "
             "(plain torch: greedy, random and synthetic acceptance, recovered tokens); the uniforms "
             "are still vLLM's generate_uniform_probs.",
         remove_when="vLLM-CPU's runner swaps the dispatchers' kernels (`_rejection_greedy_sample.kernel` "

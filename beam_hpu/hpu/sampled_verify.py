@@ -146,3 +146,19 @@ def unverifiable_fields(params: Any) -> list[tuple[str, str]]:
     if getattr(params, "logprobs", None) is not None:
         found.append(("logprobs", "vllm-gaudi's runner returns no logprobs for a verify step's tokens"))
     return found
+
+
+def request_refusal(params: Any, *, model_type: str | None, speculative: bool,
+                    device_type: str) -> tuple[str, str] | None:
+    """(field, message) of an HTTP 400 for a request this port's HPU verify step cannot serve, or
+    None. Acts only for a Beam model on HPU with --speculative-config: on CPU vLLM's own verifier
+    (through cpu-rejection-sampler) serves every field, and without drafts nothing is verified."""
+    if not speculative or device_type != "hpu" or model_type != "beam":
+        return None
+    found = unverifiable_fields(params)
+    if not found:
+        return None
+    field, why = found[0]
+    names = ", ".join(name for name, _ in found)
+    return field, (f"{names} cannot be served with speculative decoding on Gaudi: {why} "
+                   "(beam_hpu.hpu.sampled_verify); drop the field or serve without --speculative-config")

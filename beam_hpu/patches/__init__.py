@@ -138,6 +138,22 @@ INDEX: tuple[RuntimePatch, ...] = (
         upstream="none filed",
     ),
     RuntimePatch(
+        name="hpu-speculative-sampling-limits",
+        module="hpu_speculative_sampling",
+        targets=("vllm.sampling_params.SamplingParams.verify",),
+        platform="hpu",
+        why="The Gaudi verify step (port unit beam-sampled-verify) serves greedy and random sampling "
+            "with temperature, top-k/top-p and seeds, but not penalties, bad words, allowed token ids, "
+            "min_tokens or logprobs: such a request would stop the engine or be served wrong.",
+        how="After the stock checks, refuses such a request with VLLMValidationError (HTTP 400) naming "
+            "the field (beam_hpu.hpu.sampled_verify.request_refusal). Scope (no scope field in the "
+            "index yet) beam: acts only when the model config's hf_config.model_type is beam, on HPU, "
+            "with --speculative-config; any other request passes unchanged.",
+        remove_when="vllm-gaudi's verify step applies penalties, bad words, allowed tokens and min_tokens "
+                    "to drafts' targets and returns their logprobs.",
+        upstream="none filed",
+    ),
+    RuntimePatch(
         name="cpu-eagle-step",
         module="cpu_eagle_step",
         targets=("vllm.v1.spec_decode.llm_base_proposer.eagle_step_update_slot_mapping_and_metadata",),

@@ -17,8 +17,10 @@ So, for a batch with sampled rows, in plain torch:
 2. the real draft slots only (`real_draft_slots`), i.e. vLLM's flattened layout;
 3. their target logits processed as vLLM processes drafts' targets: temperature per request
    (1 for greedy rows), top-k/top-p by vLLM's own `apply_top_k_top_p` (`constrain_targets`);
-4. vLLM's `generate_uniform_probs` (a seeded request draws from its own generator, as in vLLM)
-   and `beam_hpu.speculative.rejection_sampling.verify`, the function the CPU path calls.
+4. uniforms in the stream of vLLM's `generate_uniform_probs` (a seeded request draws from its
+   own generator; `uniform_draws` lets it draw on its own device, the host on Gaudi with the fix
+   seeded-sampling) and `beam_hpu.speculative.rejection_sampling.verify`, the function the CPU
+   path calls.
 An all-greedy batch goes to the stock verifier unchanged.
 
 What this step cannot do is refused per request before it gets here (`unverifiable_fields`, HTTP
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from beam_hpu.speculative.rejection_sampling import expand_per_request, verify
+from beam_hpu.speculative.rejection_sampling import expand_per_request, uniform_draws, verify
 
 # vLLM's Sampler and vllm-gaudi's input batch: temperature below this is a greedy request (-1.0
 # on HPU, 0.0 in vLLM's GPU batch).
@@ -89,7 +91,6 @@ def verify_step(rejection_sampler, metadata, logits: torch.Tensor, sampling_meta
     if sampling_metadata.all_greedy:
         return rejection_sampler(metadata, None, logits, sampling_metadata)
     from vllm.v1.outputs import SamplerOutput
-    from vllm.v1.sample.rejection_sampler import generate_uniform_probs
 
     unsupported = _unsupported_in_metadata(sampling_metadata)
     if unsupported:  # unverifiable_fields refuses these requests; reaching here is a bug of ours
@@ -113,7 +114,7 @@ def verify_step(rejection_sampler, metadata, logits: torch.Tensor, sampling_meta
     target_logits = logits[metadata.target_logits_indices[slots]].to(torch.float32)
     cu_num_draft_tokens = metadata.cu_num_draft_tokens.to(device)
     target_logits = constrain_targets(target_logits, cu_num_draft_tokens, rows.temperature, rows.top_k, rows.top_p)
-    uniform = generate_uniform_probs(draft_token_ids.shape[0], num_draft_tokens, rows.generators, device)
+    uniform = uniform_draws(draft_token_ids.shape[0], num_draft_tokens, rows.generators, device)
     greedy = greedy_rows(rows.temperature)
     output = verify(draft_token_ids, num_draft_tokens, width, cu_num_draft_tokens, None, target_logits,
                     bonus.reshape(-1, 1).contiguous(), all_greedy=False, all_random=not bool(greedy.any()),

@@ -132,12 +132,37 @@ def residual(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
 def recovery_noise(num_draft_tokens: list[int], vocab_size: int, generators: dict[int, torch.Generator],
                    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """[B, V] Exp(1) draws, one row per request (a request's seeded generator draws its own row,
-    only when it has drafts, so its stream does not depend on steps without drafts)."""
+    only when it has drafts, so its stream does not depend on steps without drafts). A generator
+    on another device than the noise (on Gaudi the v0.30.0 fix seeded-sampling keeps them on the
+    host) draws on its own device; the row is copied over."""
     noise = torch.empty((len(num_draft_tokens), vocab_size), dtype=dtype, device=device).exponential_()
     for index, generator in generators.items():
         if num_draft_tokens[index] > 0:
-            noise[index].exponential_(generator=generator)
+            noise[index].copy_(_own_device_draw(vocab_size, dtype, generator, "exponential_"))
     return noise
+
+
+def _own_device_draw(size: int, dtype: torch.dtype, generator: torch.Generator, draw: str) -> torch.Tensor:
+    out = torch.empty(size, dtype=dtype, device=generator.device)
+    return getattr(out, draw)(generator=generator)
+
+
+def uniform_draws(num_tokens: int, num_draft_tokens: list[int], generators: dict[int, torch.Generator],
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """[T] float64 uniforms in [0, 1), the stream of vLLM's `generate_uniform_probs` (an unseeded
+    draw for all, then each seeded request's span redrawn from its generator, skipping requests
+    without drafts), with each generator drawing on its own device: vLLM's draws on the output's
+    device, which fails for the host generators Gaudi keeps (fix seeded-sampling)."""
+    uniform = torch.rand((num_tokens,), dtype=torch.float64, device=device)
+    start = 0
+    for index, n in enumerate(num_draft_tokens):
+        if n == 0:
+            continue
+        generator = generators.get(index)
+        if generator is not None:
+            uniform[start:start + n].copy_(_own_device_draw(n, torch.float64, generator, "uniform_"))
+        start += n
+    return uniform
 
 
 def recovered_tokens(cu_num_draft_tokens: torch.Tensor, draft_token_ids: torch.Tensor,

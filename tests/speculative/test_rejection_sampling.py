@@ -290,3 +290,25 @@ def test_the_stock_sampler_cannot_run_here_without_the_patch(vllm_sampler):
     ids, cu = flat(drafts)
     with pytest.raises(TypeError, match="Cannot inspect kernel parameters"):
         stock(ids, [2], 2, cu, None, torch.randn(2, 6), torch.tensor([[0]]), sampling_metadata([0.0], 6))
+
+
+def test_uniform_draws_are_vllms_stream():
+    """Seeded spans equal vLLM's generate_uniform_probs for the same generators (requests without
+    drafts skipped); the unseeded draw comes from the global stream as in vLLM."""
+    from vllm.v1.sample.rejection_sampler import generate_uniform_probs
+
+    counts = [2, 0, 3, 1]
+
+    def seeded():
+        return {0: torch.Generator().manual_seed(4), 1: torch.Generator().manual_seed(5),
+                2: torch.Generator().manual_seed(6)}
+
+    torch.manual_seed(9)
+    ours = rs.uniform_draws(6, counts, seeded())
+    torch.manual_seed(9)
+    theirs = generate_uniform_probs(6, counts, seeded(), torch.device("cpu"))
+    assert ours.dtype == torch.float64 and torch.equal(ours, theirs)
+    # the seeded spans do not depend on the global stream
+    torch.manual_seed(10)
+    again = rs.uniform_draws(6, counts, seeded())
+    assert torch.equal(again[:5], ours[:5]) and not torch.equal(again[5:], ours[5:])

@@ -86,7 +86,8 @@ def greedy_verify(output: torch.Tensor, cu_num_draft_tokens: torch.Tensor, draft
         accepted = (uniform_probs < synthetic_conditional_rates[position]) & (draft_token_ids >= 0)
     else:
         accepted = draft_token_ids.long() == target_argmax.long()
-    rows = torch.ones(output.shape[0], dtype=torch.bool, device=output.device) if is_greedy is None else is_greedy.bool()
+    all_rows = torch.ones(output.shape[0], dtype=torch.bool, device=output.device)
+    rows = all_rows if is_greedy is None else is_greedy.bool()
     _write(output, rows, cu_num_draft_tokens, draft_token_ids, accepted, target_argmax, bonus_token_ids)
 
 
@@ -113,7 +114,8 @@ def random_verify(output: torch.Tensor, cu_num_draft_tokens: torch.Tensor, draft
         accepted = (uniform_probs < synthetic_conditional_rates[position]) & (draft_token_ids >= 0)
     else:
         accepted = random_accepts(draft_token_ids, draft_probs, target_probs, uniform_probs)
-    rows = torch.ones(output.shape[0], dtype=torch.bool, device=output.device) if is_greedy is None else ~is_greedy.bool()
+    all_rows = torch.ones(output.shape[0], dtype=torch.bool, device=output.device)
+    rows = all_rows if is_greedy is None else ~is_greedy.bool()
     _write(output, rows, cu_num_draft_tokens, draft_token_ids, accepted, recovered_token_ids,
            bonus_token_ids)
 

@@ -10,8 +10,10 @@
 # graphs at 4 drafts (the recipe's file would give 69; `python -m serving.lint_buckets --speculative`).
 # Everything else, env and fixes included, is launch.sh's. The startup guards refuse what vllm-gaudi
 # cannot serve with drafts (beam_hpu/settings/guards.py speculation_on_hpu): a method without a
-# vllm-gaudi proposer, or --async-scheduling. Grammar steps verify through the port patch
-# beam-grammar-verify; vllm-gaudi's rejection sampler is greedy only (temperature 0 requests).
+# vllm-gaudi proposer, --async-scheduling, or synthetic acceptance. Grammar steps verify through the
+# port patch beam-grammar-verify, sampled requests (temperature, top-k/top-p, seeds) through
+# beam-sampled-verify; a request with penalties, bad words, allowed token ids, min_tokens or
+# logprobs gets HTTP 400 naming the field (runtime patch hpu-speculative-sampling-limits).
 set -euo pipefail
 
 if [ "$#" -lt 1 ]; then

@@ -130,11 +130,27 @@ INDEX: tuple[RuntimePatch, ...] = (
         why="vLLM 0.30.0's rejection sampler launches its Triton kernels through JIT-warmup "
             "dispatchers that keep the kernels themselves; vLLM-CPU swaps only the module-level "
             "kernel names, so the first speculative verify step dies (no Triton CPU backend).",
-        how="Replaces both functions by beam_hpu.cpu.rejection_sampling.verify / expand_per_request "
+        how="Replaces both functions by beam_hpu.speculative.rejection_sampling.verify / expand_per_request "
             "(plain torch: greedy, random and synthetic acceptance, recovered tokens); the uniforms "
             "are still vLLM's generate_uniform_probs.",
         remove_when="vLLM-CPU's runner swaps the dispatchers' kernels (`_rejection_greedy_sample.kernel` "
                     "etc.) or the sampler has a torch path on CPU.",
+        upstream="none filed",
+    ),
+    RuntimePatch(
+        name="hpu-speculative-sampling-limits",
+        module="hpu_speculative_sampling",
+        targets=("vllm.sampling_params.SamplingParams.verify",),
+        platform="hpu",
+        why="The Gaudi verify step (port unit beam-sampled-verify) serves greedy and random sampling "
+            "with temperature, top-k/top-p and seeds, but not penalties, bad words, allowed token ids, "
+            "min_tokens or logprobs: such a request would stop the engine or be served wrong.",
+        how="After the stock checks, refuses such a request with VLLMValidationError (HTTP 400) naming "
+            "the field (beam_hpu.hpu.sampled_verify.request_refusal). Scope (no scope field in the "
+            "index yet) beam: acts only when the model config's hf_config.model_type is beam, on HPU, "
+            "with --speculative-config; any other request passes unchanged.",
+        remove_when="vllm-gaudi's verify step applies penalties, bad words, allowed tokens and min_tokens "
+                    "to drafts' targets and returns their logprobs.",
         upstream="none filed",
     ),
     RuntimePatch(

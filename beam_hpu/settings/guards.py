@@ -133,20 +133,30 @@ def data_parallel_on_cpu(launch: Launch) -> list[str]:
 HPU_DRAFT_METHODS = ("ngram", "eagle", "eagle3", "mtp")
 
 
-def _speculative_method(config: Any) -> str | None:
+def _speculative_field(config: Any, name: str) -> Any:
     if isinstance(config, str):
         try:
             config = json.loads(config)
         except ValueError:
             return None
     if isinstance(config, Mapping):
-        return config.get("method")
-    return getattr(config, "method", None)
+        return config.get(name)
+    return getattr(config, name, None)
+
+
+def _speculative_method(config: Any) -> str | None:
+    return _speculative_field(config, "method")
 
 
 def speculation_on_hpu(launch: Launch) -> list[str]:
     """What vllm-gaudi cannot do with --speculative-config (vLLM-CPU verifies through the
-    cpu-rejection-sampler patch; these are Gaudi's gaps that no port patch closes)."""
+    cpu-rejection-sampler patch; these are Gaudi's gaps that no port patch closes).
+
+    Sampled requests are served: Beam's verify step verifies greedy and random-sampling rows
+    (temperature, top-k/top-p, seeds) through the port unit beam-sampled-verify, and under the
+    grammar through beam-grammar-verify; what a request may not ask for there (penalties, bad
+    words, allowed token ids, min_tokens, logprobs) is refused per request with HTTP 400 by the
+    runtime patch hpu-speculative-sampling-limits, not here."""
     config = launch.arg("speculative_config")
     if not config or launch.device_type != "hpu":
         return []
@@ -155,8 +165,10 @@ def speculation_on_hpu(launch: Launch) -> list[str]:
     if method not in HPU_DRAFT_METHODS:
         problems.append(f"--speculative-config method {method!r} on HPU: vllm-gaudi's runner drafts only with "
                         f"{', '.join(HPU_DRAFT_METHODS)} (no DFlash, DFlash2, suffix or draft-model proposer)")
-    # Beam's grammar steps verify their drafts through the port patch beam-grammar-verify; a request
-    # with temperature > 0 is a runtime matter (vllm-gaudi's rejection sampler is greedy only).
+    if _speculative_field(config, "rejection_sample_method") == "synthetic":
+        problems.append("--speculative-config rejection_sample_method 'synthetic' on HPU: neither vllm-gaudi's "
+                        "greedy verifier nor the port's beam-sampled-verify reads the synthetic acceptance "
+                        "rates (drafts would be verified for real); drop the field")
     if launch.arg("async_scheduling"):
         problems.append("--async-scheduling with --speculative-config on HPU: vllm-gaudi turns async scheduling "
                         "off whenever speculation is on (platform.py); drop the flag, as the recipe's speculative "

@@ -3,6 +3,7 @@ its culprit."""
 
 from __future__ import annotations
 
+import json
 from argparse import Namespace
 from types import SimpleNamespace
 
@@ -140,3 +141,15 @@ def test_engine_guard_uses_the_resolved_model_type(monkeypatch):
     with pytest.raises(StartupError, match="PT_HPU_SDPA_QKV_SLICE_MODE_FWD"):
         guards.guard_engine_config(args, beam)
     guards.guard_engine_config(args, llama)
+
+
+def test_speculation_on_hpu_serves_sampled_requests_and_names_what_it_cannot_do():
+    """Sampled requests are verified on HPU (beam-sampled-verify): the speculative launch starts;
+    synthetic acceptance, which no HPU verifier reads, is refused naming the field; CPU is stock."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    assert startup_problems({}, args(speculative_config=ngram), device_type="hpu") == []
+    synthetic = {**ngram, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.5]}
+    for config in (synthetic, json.dumps(synthetic)):
+        problems = startup_problems({}, args(speculative_config=config), device_type="hpu")
+        assert len(problems) == 1 and problems[0].startswith("--speculative-config rejection_sample_method")
+    assert startup_problems({}, args(speculative_config=synthetic), device_type="cpu") == []

@@ -1,12 +1,17 @@
-"""Verification of drafted tokens (speculative decoding) in plain torch, for vLLM-CPU.
+"""Verification of drafted tokens (speculative decoding) in plain torch, for both platforms.
 
-Why: vLLM 0.30.0's `vllm/v1/sample/rejection_sampler.py` runs its four steps (greedy accept,
-random accept, per-token expansion, recovered tokens) through JIT-warmup Triton dispatchers
-(`model_executor/warmup/jit_warmup_triton_helper.py`) that hold the Triton kernels themselves.
-vLLM-CPU's runner swaps only the module-level kernel names, which those dispatchers never read,
-so the first verify step launches a Triton kernel on a host without a Triton CPU backend and the
-engine dies. The runtime patch `cpu-rejection-sampler` (beam_hpu/patches/cpu_rejection_sampler.py)
-routes the sampler's `rejection_sample` and `expand_batch_to_tokens` here on the CPU platform.
+Why a room of its own (`beam_hpu/speculative/`): the same functions verify drafts on vLLM-CPU
+and on Gaudi, so speculative sampling has one definition, tested once.
+- CPU: vLLM 0.30.0's `vllm/v1/sample/rejection_sampler.py` runs its four steps (greedy accept,
+  random accept, per-token expansion, recovered tokens) through JIT-warmup Triton dispatchers
+  that vLLM-CPU cannot launch; the runtime patch `cpu-rejection-sampler`
+  (beam_hpu/patches/cpu_rejection_sampler.py) routes `rejection_sample` and
+  `expand_batch_to_tokens` here.
+- HPU: vllm-gaudi's verifier is greedy only (`assert sampling_metadata.all_greedy`); the port
+  unit `beam-sampled-verify` sends a Beam verify step with sampled rows through
+  `beam_hpu.hpu.sampled_verify`, which calls `verify` here.
+Every tensor is made on the device of the inputs (and a seeded request's generator draws on its
+own device), so the functions run where the logits are.
 
 The algorithm (Leviathan et al. 2023, speculative sampling), per request with drafts d_1..d_n:
 - greedy request: accept d_i while d_i equals the target argmax at i; at the first mismatch emit
@@ -32,14 +37,14 @@ def _spans(cu_num_draft_tokens: torch.Tensor, num_tokens: int) -> tuple[torch.Te
     """(request index [T], position within its request [T]) of every flattened draft token."""
     ends = cu_num_draft_tokens.long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    request = torch.repeat_interleave(torch.arange(len(ends)), counts, output_size=num_tokens)
-    position = torch.arange(num_tokens) - (ends - counts)[request]
+    request = torch.repeat_interleave(torch.arange(len(ends), device=ends.device), counts, output_size=num_tokens)
+    position = torch.arange(num_tokens, device=ends.device) - (ends - counts)[request]
     return request, position
 
 
 def _padded(values: torch.Tensor, request: torch.Tensor, position: torch.Tensor, batch: int,
             width: int, fill) -> torch.Tensor:
-    out = torch.full((batch, width), fill, dtype=values.dtype)
+    out = torch.full((batch, width), fill, dtype=values.dtype, device=values.device)
     out[request, position] = values
     return out
 
@@ -57,13 +62,14 @@ def _write(output: torch.Tensor, rows: torch.Tensor, cu_num_draft_tokens: torch.
     ok = _padded(accepted, request, position, batch, width, False)
     fall = _padded(fallback.long(), request, position, batch, width, PLACEHOLDER)
     num_accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)  # length of the accepted prefix
-    slots = torch.arange(width + 1)
-    row = torch.full((batch, width + 1), PLACEHOLDER, dtype=torch.long)
+    device = output.device
+    slots = torch.arange(width + 1, device=device)
+    row = torch.full((batch, width + 1), PLACEHOLDER, dtype=torch.long, device=device)
     row[:, :width] = torch.where(slots[:width] < num_accepted[:, None], drafts, PLACEHOLDER)
     stop = bonus_token_ids.reshape(-1).long().clone()
     rejected = torch.nonzero(num_accepted < counts)[:, 0]
     stop[rejected] = fall[rejected, num_accepted[rejected]]
-    row[torch.arange(batch), num_accepted] = stop
+    row[torch.arange(batch, device=device), num_accepted] = stop
     output[rows] = row[rows].to(output.dtype)
 
 
@@ -80,19 +86,21 @@ def greedy_verify(output: torch.Tensor, cu_num_draft_tokens: torch.Tensor, draft
         accepted = (uniform_probs < synthetic_conditional_rates[position]) & (draft_token_ids >= 0)
     else:
         accepted = draft_token_ids.long() == target_argmax.long()
-    rows = torch.ones(output.shape[0], dtype=torch.bool) if is_greedy is None else is_greedy.bool()
+    all_rows = torch.ones(output.shape[0], dtype=torch.bool, device=output.device)
+    rows = all_rows if is_greedy is None else is_greedy.bool()
     _write(output, rows, cu_num_draft_tokens, draft_token_ids, accepted, target_argmax, bonus_token_ids)
 
 
 def random_accepts(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                    target_probs: torch.Tensor, uniform_probs: torch.Tensor) -> torch.Tensor:
     """Bool [T]: u <= min(1, p(d) / q(d)) for each draft d (q = 1 without draft probs; q(d) = 0
-    or a padded d < 0 rejects)."""
+    or a padded d < 0 rejects). p(d) = 0 always rejects, even for u == 0: a token a grammar masked
+    to -inf is accepted with probability 0, not 2^-53."""
     valid = draft_token_ids >= 0
     index = draft_token_ids.long().clamp(min=0)[:, None]
     p = target_probs.gather(1, index)[:, 0].double()
     q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(1, index)[:, 0].double()
-    return valid & (q > 0) & (p >= uniform_probs.double() * q)
+    return valid & (q > 0) & (p > 0) & (p >= uniform_probs.double() * q)
 
 
 def random_verify(output: torch.Tensor, cu_num_draft_tokens: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -106,7 +114,8 @@ def random_verify(output: torch.Tensor, cu_num_draft_tokens: torch.Tensor, draft
         accepted = (uniform_probs < synthetic_conditional_rates[position]) & (draft_token_ids >= 0)
     else:
         accepted = random_accepts(draft_token_ids, draft_probs, target_probs, uniform_probs)
-    rows = torch.ones(output.shape[0], dtype=torch.bool) if is_greedy is None else ~is_greedy.bool()
+    all_rows = torch.ones(output.shape[0], dtype=torch.bool, device=output.device)
+    rows = all_rows if is_greedy is None else ~is_greedy.bool()
     _write(output, rows, cu_num_draft_tokens, draft_token_ids, accepted, recovered_token_ids,
            bonus_token_ids)
 
@@ -123,14 +132,39 @@ def residual(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
 
 
 def recovery_noise(num_draft_tokens: list[int], vocab_size: int, generators: dict[int, torch.Generator],
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """[B, V] Exp(1) draws, one row per request (a request's seeded generator draws its own row,
-    only when it has drafts, so its stream does not depend on steps without drafts)."""
-    noise = torch.empty((len(num_draft_tokens), vocab_size), dtype=dtype).exponential_()
+    only when it has drafts, so its stream does not depend on steps without drafts). A generator
+    on another device than the noise (on Gaudi the v0.30.0 fix seeded-sampling keeps them on the
+    host) draws on its own device; the row is copied over."""
+    noise = torch.empty((len(num_draft_tokens), vocab_size), dtype=dtype, device=device).exponential_()
     for index, generator in generators.items():
         if num_draft_tokens[index] > 0:
-            noise[index].exponential_(generator=generator)
+            noise[index].copy_(_own_device_draw(vocab_size, dtype, generator, "exponential_"))
     return noise
+
+
+def _own_device_draw(size: int, dtype: torch.dtype, generator: torch.Generator, draw: str) -> torch.Tensor:
+    out = torch.empty(size, dtype=dtype, device=generator.device)
+    return getattr(out, draw)(generator=generator)
+
+
+def uniform_draws(num_tokens: int, num_draft_tokens: list[int], generators: dict[int, torch.Generator],
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """[T] float64 uniforms in [0, 1), the stream of vLLM's `generate_uniform_probs` (an unseeded
+    draw for all, then each seeded request's span redrawn from its generator, skipping requests
+    without drafts), with each generator drawing on its own device: vLLM's draws on the output's
+    device, which fails for the host generators Gaudi keeps (fix seeded-sampling)."""
+    uniform = torch.rand((num_tokens,), dtype=torch.float64, device=device)
+    start = 0
+    for index, n in enumerate(num_draft_tokens):
+        if n == 0:
+            continue
+        generator = generators.get(index)
+        if generator is not None:
+            uniform[start:start + n].copy_(_own_device_draw(n, torch.float64, generator, "uniform_"))
+        start += n
+    return uniform
 
 
 def recovered_tokens(cu_num_draft_tokens: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -150,7 +184,8 @@ def expand_per_request(values: torch.Tensor, cu_num_tokens: torch.Tensor, num_to
     replaced by replace_to (vLLM's `expand_batch_to_tokens`: temperature 0 becomes 1 there)."""
     ends = cu_num_tokens.long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    swapped = torch.where(values == replace_from, torch.as_tensor(replace_to, dtype=values.dtype), values)
+    swapped = torch.where(values == replace_from,
+                          torch.as_tensor(replace_to, dtype=values.dtype, device=values.device), values)
     return torch.repeat_interleave(swapped, counts, output_size=num_tokens)
 
 
@@ -165,7 +200,8 @@ def verify(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_
     `target_logits` [T, V] are the target's processed logits at the draft positions (temperature,
     top-k/top-p already applied for random rows); `uniform_probs` [T] float64 are needed unless
     every request is greedy and synthetic mode is off."""
-    output = torch.full((len(num_draft_tokens), max_spec_len + 1), PLACEHOLDER, dtype=torch.int32)
+    output = torch.full((len(num_draft_tokens), max_spec_len + 1), PLACEHOLDER, dtype=torch.int32,
+                        device=target_logits.device)
     is_greedy = None if all_greedy else temperature == 0
     if not all_random:
         greedy_verify(output, cu_num_draft_tokens, draft_token_ids, target_logits.argmax(dim=-1),
@@ -173,7 +209,7 @@ def verify(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_
         if all_greedy:
             return output
     target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
-    noise = recovery_noise(num_draft_tokens, target_probs.shape[-1], generators, noise_dtype)
+    noise = recovery_noise(num_draft_tokens, target_probs.shape[-1], generators, noise_dtype, target_probs.device)
     recovered = recovered_tokens(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, noise)
     random_verify(output, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
                   bonus_token_ids, recovered, uniform_probs, is_greedy, synthetic_conditional_rates)

@@ -1,5 +1,6 @@
-"""CPU verification of drafted tokens (beam_hpu.cpu.rejection_sampling, patch cpu-rejection-sampler)
-against the definition of speculative sampling, written here as a plain per-request loop.
+"""Verification of drafted tokens (beam_hpu.speculative.rejection_sampling, the functions the CPU
+patch cpu-rejection-sampler and the Gaudi unit beam-sampled-verify call) against the definition
+of speculative sampling, written here as a plain per-request loop.
 
 Greedy and the random accept rule are compared exactly (given uniforms and given recovered
 tokens); the recovered draws and the emitted token's distribution statistically, with fixed seeds
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from beam_hpu.cpu import rejection_sampling as rs
+from beam_hpu.speculative import rejection_sampling as rs
 
 P = rs.PLACEHOLDER
 
@@ -35,7 +36,7 @@ def reference(drafts: list[list[int]], max_spec_len: int, target_probs: list[tor
                 out.append(int(p.argmax()))
                 break
             q = 1.0 if draft_probs is None else float(draft_probs[b][i][d]) if d >= 0 else 0.0
-            if d >= 0 and q > 0 and uniforms[b][i] <= min(1.0, float(p[d]) / q):
+            if d >= 0 and q > 0 and float(p[d]) > 0 and uniforms[b][i] <= min(1.0, float(p[d]) / q):
                 out.append(d)
                 continue
             out.append(recovered[b][i])
@@ -116,6 +117,10 @@ def test_the_accept_rule_at_its_boundary():
     assert accepted.tolist() == [True, False, True]
     above = rs.random_accepts(torch.tensor([0]), q[:1], p[:1], torch.tensor([0.5 + 1e-9], dtype=torch.float64))
     assert above.tolist() == [False]
+    # p(d) == 0 (a token the grammar masked) rejects even for u == 0, which would pass u <= p/q.
+    masked = rs.random_accepts(torch.tensor([1, 1]), None, torch.tensor([[1.0, 0.0], [0.5, 0.5]]),
+                               torch.tensor([0.0, 0.0], dtype=torch.float64))
+    assert masked.tolist() == [False, True]
 
 
 def tolerance(expected: torch.Tensor, n: int) -> torch.Tensor:
@@ -285,3 +290,25 @@ def test_the_stock_sampler_cannot_run_here_without_the_patch(vllm_sampler):
     ids, cu = flat(drafts)
     with pytest.raises(TypeError, match="Cannot inspect kernel parameters"):
         stock(ids, [2], 2, cu, None, torch.randn(2, 6), torch.tensor([[0]]), sampling_metadata([0.0], 6))
+
+
+def test_uniform_draws_are_vllms_stream():
+    """Seeded spans equal vLLM's generate_uniform_probs for the same generators (requests without
+    drafts skipped); the unseeded draw comes from the global stream as in vLLM."""
+    from vllm.v1.sample.rejection_sampler import generate_uniform_probs
+
+    counts = [2, 0, 3, 1]
+
+    def seeded():
+        return {0: torch.Generator().manual_seed(4), 1: torch.Generator().manual_seed(5),
+                2: torch.Generator().manual_seed(6)}
+
+    torch.manual_seed(9)
+    ours = rs.uniform_draws(6, counts, seeded())
+    torch.manual_seed(9)
+    theirs = generate_uniform_probs(6, counts, seeded(), torch.device("cpu"))
+    assert ours.dtype == torch.float64 and torch.equal(ours, theirs)
+    # the seeded spans do not depend on the global stream
+    torch.manual_seed(10)
+    again = rs.uniform_draws(6, counts, seeded())
+    assert torch.equal(again[:5], ours[:5]) and not torch.equal(again[5:], ours[5:])

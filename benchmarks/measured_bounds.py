@@ -46,7 +46,9 @@ class Verdict:
     fault: bool  # a ratio under 1: the bound measured above what it bounds
 
     def text(self, target: float) -> str:
-        spread = f"per round {min(self.round_ratios):.2f}-{max(self.round_ratios):.2f}"
+        under = sum(r < 1 for r in self.round_ratios)
+        spread = (f"per round {min(self.round_ratios):.2f}-{max(self.round_ratios):.2f}, "
+                  f"{under} of {len(self.round_ratios)} under 1")
         if self.fault:
             return (f"MEASUREMENT FAULT: ratio {self.ratio:.2f} < 1 ({self.bound} measured above the layer that "
                     f"contains it; {spread}): no result")

@@ -29,6 +29,9 @@ def test_the_ratio_is_of_medians_against_the_largest_bound():
     assert (v.ratio, v.bound, v.fault) == (12.0 / 5.0, "arith", False)
     assert v.round_ratios == (2.0, 5.0, 12.0 / 9.0)
     assert "NOT met" in v.text(2) and "met" in mb.verdict(layer, [read]).text(10)
+    assert "per round 1.33-5.00, 0 of 3 under 1" in v.text(2)
+    noisy = mb.verdict(layer, [mb.Timing("arith", (11.0, 6.0, 4.0))])  # round 1 alone under 1
+    assert not noisy.fault and "1 of 3 under 1" in noisy.text(2)
     assert layer.text() == "12.0 s [10.0-30.0 over 3]"
 
 

@@ -49,8 +49,9 @@ FP8, F32, BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
 SHARD_BYTES = 2 << 30
 
 
-def layer_tensors(i: int, moe: bool):
-    """(name, shape, dtype) of one Beam layer, in the published checkpoint's names."""
+def layer_tensors(i: int, moe: bool, experts: int = E):
+    """(name, shape, dtype) of one Beam layer, in the published checkpoint's names (`experts` per
+    MoE layer: Beam-1.0's 256 unless a reduced benchmark asks for fewer)."""
     p = f"model.layers.{i}"
 
     def linear(name, out, inp):
@@ -66,15 +67,15 @@ def layer_tensors(i: int, moe: bool):
     if not moe:
         return t + linear(f"{m}.gate_proj", I_DENSE, H) + linear(f"{m}.up_proj", I_DENSE, H) \
             + linear(f"{m}.down_proj", H, I_DENSE)
-    t += [(f"{m}.gate.weight", (E, H), F32), (f"{m}.gate.e_score_correction_bias", (E,), F32)]
-    for e in range(E):
+    t += [(f"{m}.gate.weight", (experts, H), F32), (f"{m}.gate.e_score_correction_bias", (experts,), F32)]
+    for e in range(experts):
         x = f"{m}.experts.{e}"
         t += linear(f"{x}.gate_proj", I_MOE, H) + linear(f"{x}.up_proj", I_MOE, H) + linear(f"{x}.down_proj", H, I_MOE)
     return t
 
 
-def model_tensors(dense_layers: int, moe_layers: int, embeddings: bool):
-    specs = [t for i in range(dense_layers + moe_layers) for t in layer_tensors(i, moe=i >= dense_layers)]
+def model_tensors(dense_layers: int, moe_layers: int, embeddings: bool, experts: int = E):
+    specs = [t for i in range(dense_layers + moe_layers) for t in layer_tensors(i, i >= dense_layers, experts)]
     if embeddings:  # bf16 in the FP8 checkpoint (compressed-tensors ignore list), vocab-parallel rows
         specs += [("model.embed_tokens.weight", (VOCAB, H), BF16), ("lm_head.weight", (VOCAB, H), BF16),
                   ("model.norm.weight", (H,), BF16)]

@@ -4,7 +4,8 @@ Two real `vllm serve` runs of the tiny trained Beam, one after the other (one en
 the demo's command line, and the same plus `--speculative-config` ngram (k=4, lookup 2..4). The
 same requests go to both: the smoke, copy and tools gates (gate prompts, tool calls of every
 tool_choice, reasoning, the json_schema answer; streaming and not), a seeded random-sampling
-request, and a grammar case built so the ngram draft proposes a continuation the grammar forbids.
+request, and a grammar case built so the ngram draft proposes a continuation the grammar forbids
+(the scheduler trims it before verification; the verifier's own check is a unit test, see below).
 At temperature 0 every answer must be identical: token ids where the API returns them, else the
 reasoning / content / tool-call split and the streamed tool arguments.
 
@@ -201,7 +202,13 @@ def test_seeded_random_sampling_runs_and_repeats_under_ngram(runs):
 
 def test_drafts_the_grammar_forbids_are_never_emitted(runs):
     """The ngram proposer (vLLM's own function, on the served context) proposes a forbidden
-    continuation at some step; the served output still matches the grammar, identical to plain."""
+    continuation at some step; the served output still matches the grammar, identical to plain.
+
+    End to end only: vLLM's scheduler trims each draft to its grammar-valid prefix before the
+    step, so here the verifier never meets the forbidden draft and this passes even with a
+    verifier that ignored the grammar. The verifier itself, given a forbidden draft directly, is
+    tests/cpu/test_grammar_forbidden_draft.py (CPU) and tests/fixes/test_port_grammar_verify.py
+    (vllm-gaudi's verify step)."""
     from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as propose
 
     plain, spec = runs

@@ -208,6 +208,10 @@ def test_verify_step_under_a_grammar_emits_the_grammar_verified_tokens(tree, mon
         return
     out, expected, calls, bitmask, logits = run_step(tree, monkeypatch)
     assert out == expected
+    # The forbidden draft reached the verifier (no scheduler trim here): d1's second draft is its
+    # unmasked row's argmax, so a verifier ignoring the grammar would emit it; it is not emitted
+    forbidden = case()[2]["d1"][1]
+    assert int(logits[STRIDE + 1].argmax()) == forbidden and out["d1"][1] != forbidden
     # The rejection sampler saw every row of every grammar decode masked with its own grammar row
     # (d0 is bitmask rows 5-8, d1 rows 1-4), d2's and the padding sequence's rows untouched.
     (verified,) = calls.verified

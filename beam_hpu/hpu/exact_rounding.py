@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from beam_hpu.names import MODEL_TYPE
 from beam_hpu.quant.rounding import FP8_E4M3FN_MAX, GAUDI2_FP8_MAX, per_token_fp8
 from beam_hpu.settings import switches
 
-BEAM_MODEL_TYPE = "beam"
 # The FP8 maxima vllm-gaudi's FP8_MAX takes: e4m3fnuz's on Gaudi 2, e4m3fn's elsewhere.
 DEVICE_FP8_MAXIMA = (GAUDI2_FP8_MAX, FP8_E4M3FN_MAX)
 
@@ -36,7 +36,7 @@ def activation_quantiser(model_type: str | None, fp8_max: float,
                          env: Mapping[str, str] | None = None) -> Quantiser | None:
     """x -> (e4m3fn values, fp32 scale [..., 1]) in the reference's rounding for a Beam model with
     BEAM_EXACT_ROUNDING=1; None (keep vllm-gaudi's dynamic_quant) for any other model or with 0."""
-    if model_type != BEAM_MODEL_TYPE or not switches.current("BEAM_EXACT_ROUNDING", env):
+    if model_type != MODEL_TYPE or not switches.current("BEAM_EXACT_ROUNDING", env):
         return None
     if float(fp8_max) not in DEVICE_FP8_MAXIMA:
         raise ValueError(f"BEAM_EXACT_ROUNDING=1: vllm-gaudi's FP8_MAX is {fp8_max}, expected one of "

@@ -35,8 +35,16 @@ Quantiser = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 def activation_quantiser(model_type: str | None, fp8_max: float,
                          env: Mapping[str, str] | None = None) -> Quantiser | None:
     """x -> (e4m3fn values, fp32 scale [..., 1]) in the reference's rounding for a Beam model with
-    BEAM_EXACT_ROUNDING=1; None (keep vllm-gaudi's dynamic_quant) for any other model or with 0."""
-    if model_type != MODEL_TYPE or not switches.current("BEAM_EXACT_ROUNDING", env):
+    BEAM_EXACT_ROUNDING=1; None (keep vllm-gaudi's dynamic_quant) for any other model or with 0.
+    With 1 and no model type (no vLLM config current) it refuses rather than guess."""
+    if not switches.current("BEAM_EXACT_ROUNDING", env):
+        return None
+    if model_type is None:
+        # Without the served model's type the switch would go unread without a word.
+        raise ValueError("BEAM_EXACT_ROUNDING=1: no vLLM config is current where vllm-gaudi processes the "
+                         "FP8 weights, so the served model type is unknown (the worker loads the model "
+                         "inside set_current_vllm_config)")
+    if model_type != MODEL_TYPE:
         return None
     if float(fp8_max) not in DEVICE_FP8_MAXIMA:
         raise ValueError(f"BEAM_EXACT_ROUNDING=1: vllm-gaudi's FP8_MAX is {fp8_max}, expected one of "

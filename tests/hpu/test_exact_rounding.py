@@ -9,7 +9,7 @@ from beam_hpu.quant.rounding import FP8_E4M3FN_MAX, GAUDI2_FP8_MAX, per_token_fp
 from beam_hpu.settings.switches import SwitchError
 
 
-@pytest.mark.parametrize("model_type,mode", [("beam", "0"), ("llama", "1"), ("qwen3_moe", "1"), (None, "1")])
+@pytest.mark.parametrize("model_type,mode", [("beam", "0"), ("llama", "1"), ("qwen3_moe", "1"), (None, "0")])
 def test_stock_dynamic_quant_unless_beam_with_the_switch_on(model_type, mode):
     assert activation_quantiser(model_type, GAUDI2_FP8_MAX, {"BEAM_EXACT_ROUNDING": mode}) is None
 
@@ -34,6 +34,11 @@ def test_beam_with_the_switch_on_gets_the_references_rounding(fp8_max):
 def test_an_unknown_device_range_is_refused_naming_the_switch():
     with pytest.raises(ValueError, match=r"BEAM_EXACT_ROUNDING=1: vllm-gaudi's FP8_MAX is 57344"):
         activation_quantiser("beam", 57344.0, {"BEAM_EXACT_ROUNDING": "1"})
+
+
+def test_an_unknown_model_type_with_the_switch_on_is_refused_naming_the_switch():
+    with pytest.raises(ValueError, match=r"BEAM_EXACT_ROUNDING=1: no vLLM config is current"):
+        activation_quantiser(None, GAUDI2_FP8_MAX, {"BEAM_EXACT_ROUNDING": "1"})
 
 
 def test_a_bad_switch_value_is_refused_naming_the_variable():

@@ -97,8 +97,12 @@ SWITCHES: dict[str, Switch] = _switches(
         "CPU, where the range is 448, by the portable FP8 experts and, through the runtime patch "
         "cpu-fp8-dense-rounding, by vLLM-CPU's dense FP8 linears; the live perplexity reference "
         "(beam_hpu.gates.perplexity) rounds in the mode set where it runs, to compare like with "
-        "like. On HPU the port changes nothing: vllm-gaudi's own path (the rounding of 0, range "
-        "240 on Gaudi 2) runs with either value.",
+        "like. On HPU, for model type beam, through the port patch beam-exact-rounding "
+        "(beam_hpu.hpu.exact_rounding, read once per layer at load): with 1 the dense FP8 linears "
+        "and the input of the fused FP8 experts quantise in the reference's rounding in vllm-gaudi's "
+        "FP8 range (240 on Gaudi 2, 448 on Gaudi 3); the experts' down projection input is "
+        "quantised inside the fused MoE kernel and keeps the kernel's rounding. With 0, or any "
+        "other model, vllm-gaudi's dynamic_quant runs unchanged.",
     ),
     Switch(
         "BEAM_PREFILL_INFLIGHT",

@@ -1,11 +1,13 @@
-"""Every switch of the table has a reader outside the switch table and its validation.
+"""Every switch of the table has a reader outside the switch table and its validation, and every
+switch the recipe sets has one on HPU, the platform the recipe is for.
 
 A reader is code that acts on the switch's value: a call of `switches.current(NAME, ...)` (or
-`read_switch(NAME, ...)`) in the package outside `beam_hpu/settings/`, or a runner patch whose
+`read_switch(NAME, ...)`) in the package outside `beam_hpu/settings/`, or a port edit whose
 replacement text reads it. The launch guards validate every switch and so do not count, except
 for a switch whose whole meaning is a launch policy (GUARD_ONLY), read by its rule. The list of
 switches nothing reads yet (UNREAD) is part of the test: it fails when a switch loses its reader,
-and when one gains a reader without the list saying so.
+and when one gains a reader without the list saying so. Which readers run on HPU is worked out
+in tests/settings/hpu_readers.py.
 """
 
 from __future__ import annotations
@@ -13,47 +15,43 @@ from __future__ import annotations
 import ast
 import tomllib
 
-from beam_hpu.settings.switches import SWITCHES
+from beam_hpu.settings.switches import SWITCHES, is_port_switch_name
+from serving.recipe import load_recipe, parse_launch_block
+from tests.settings.hpu_readers import (
+    PACKAGE,
+    hpu_readers,
+    names_read_by_calls,
+    names_read_in_text,
+    port_units,
+)
 from tests.support.engines import REPO
 
-PACKAGE = REPO / "beam_hpu"
-READER_FUNCTIONS = {"current", "read_switch"}
 # Launch policies: the guard rule is what they govern (beam_hpu/settings/guards.py).
 GUARD_ONLY = {"BEAM_ALLOW_EAGER"}
-# Switches the recipe sets that no code acts on yet (issue 14: BEAM_EXACT_ROUNDING not implemented
-# on the served path).
+# Switches nothing reads yet.
 UNREAD: set[str] = set()
-
-
-def _names_read_by_calls(source: str) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
-            continue
-        func = node.func
-        called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-        if called in READER_FUNCTIONS and isinstance(node.args[0].value, str):
-            names.add(node.args[0].value)
-    return names
+LAUNCH_SCRIPT = REPO / "serving" / "launch.sh"
 
 
 def code_readers() -> dict[str, list[str]]:
+    """Switch -> every file that reads it, on any platform."""
     readers: dict[str, list[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         if "settings" in path.relative_to(PACKAGE).parts:
             continue
-        for name in _names_read_by_calls(path.read_text()):
+        for name in names_read_by_calls(ast.parse(path.read_text())):
             readers.setdefault(name, []).append(str(path.relative_to(REPO)))
-    for path in sorted((REPO / "ports" / "beam-1-0" / "patches").glob("*.toml")):
+    for path in port_units():
         for edit in tomllib.loads(path.read_text()).get("edits", []):
-            for name in _names_read_by_calls_in_text(edit["replacement"]):
+            for name in names_read_in_text(edit["replacement"]):
                 readers.setdefault(name, []).append(str(path.relative_to(REPO)))
     return readers
 
 
-def _names_read_by_calls_in_text(text: str) -> set[str]:
-    # A replacement is a fragment of a method: read the switch names it passes to a reader.
-    return {name for name in SWITCHES if any(f'{fn}("{name}"' in text for fn in READER_FUNCTIONS)}
+def recipe_switches() -> set[str]:
+    """The port switches serving/recipe.yaml and serving/launch.sh export."""
+    env = {**load_recipe()["env"], **parse_launch_block(LAUNCH_SCRIPT.read_text()).env}
+    return {name for name in env if is_port_switch_name(name)}
 
 
 def test_every_switch_has_a_reader_or_is_declared_unread():
@@ -68,11 +66,31 @@ def test_every_switch_has_a_reader_or_is_declared_unread():
     assert unread == UNREAD, {"unread now": sorted(unread), "declared": sorted(UNREAD), "readers": readers}
 
 
+def test_every_switch_the_recipe_sets_is_read_on_hpu():
+    on_hpu, anywhere = hpu_readers(), code_readers()
+    switches = recipe_switches()
+    assert switches >= set(SWITCHES) - GUARD_ONLY, sorted(switches)  # the recipe sets them all
+    missing = {name: anywhere.get(name, []) for name in sorted(switches - GUARD_ONLY) if name not in on_hpu}
+    assert not missing, f"recipe switches no code on HPU reads (their readers elsewhere): {missing}"
+
+
+def test_a_switch_read_only_by_cpu_code_has_no_hpu_reader():
+    # Without the port unit beam-exact-rounding, BEAM_EXACT_ROUNDING is read by the CPU experts,
+    # the CPU dense rounding, the reference and the perplexity gate, none of which runs on HPU:
+    # the recipe test above must then fail for it.
+    without = hpu_readers([p for p in port_units() if p.stem != "beam-exact-rounding"])
+    assert "BEAM_EXACT_ROUNDING" not in without, without
+    assert "beam_hpu/cpu/portable_fp8_moe.py" in code_readers()["BEAM_EXACT_ROUNDING"]
+    assert hpu_readers()["BEAM_EXACT_ROUNDING"] == ["beam_hpu.hpu.exact_rounding:activation_quantiser"]
+
+
 def test_the_reader_finder_sees_the_forms_readers_take():
     source = ('from beam_hpu.settings import switches\n'
               'x = switches.current("BEAM_GRAMMAR_DEVICE_MASK", env)\n'
               'y = read_switch("BEAM_FSDPA_Q_TILE", {})\n'
               'z = other("BEAM_FSDPA_WS_GIB")\n')
-    assert _names_read_by_calls(source) == {"BEAM_GRAMMAR_DEVICE_MASK", "BEAM_FSDPA_Q_TILE"}
+    assert names_read_by_calls(ast.parse(source)) == {"BEAM_GRAMMAR_DEVICE_MASK", "BEAM_FSDPA_Q_TILE"}
     assert set(code_readers()) >= {"BEAM_GRAMMAR_DEVICE_MASK", "BEAM_FSDPA_Q_TILE", "BEAM_FSDPA_WS_GIB",
                                    "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT", "VLLM_BEAM_STREAM_TOOL_ARGS"}
+    # Through a port edit's import and a same-module call (tiled_fsdpa_op -> fsdpa_tile_switches).
+    assert hpu_readers()["BEAM_FSDPA_Q_TILE"] == ["beam_hpu.hpu.prefill_attention:fsdpa_tile_switches"]

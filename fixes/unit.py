@@ -72,7 +72,7 @@ def scope_problem(scope: str) -> str | None:
     kind, sep, said = scope.strip().partition(":")
     if not sep or kind not in SCOPE_KINDS:
         return f"scope must start with {' or '.join(k + ':' for k in SCOPE_KINDS)} (got {scope.strip()[:40]!r})"
-    if len(said.split()) < 4:
+    if len(said.split()) < 2:
         return f"scope '{kind}:' must say how it checks for Beam, or why it is global and what shows it harmless"
     if kind == "global" and "test" not in said:
         return "a 'global:' scope must name the test that shows it harmless"

@@ -80,9 +80,10 @@ INDEX: tuple[RuntimePatch, ...] = (
                  "vllm.entrypoints.pooling.scoring.io_processor.safe_apply_chat_template"),
         platform="any",
         scope="beam: render_untrusted calls vLLM's function unchanged unless the tokenizer carries "
-              "Beam's response template (beam_hpu.parsers.untrusted.beam_added_tokens): a "
-              "tokenizer check, not a model_type one, because the renderer is given a tokenizer and "
-              "no model config it could trust",
+              "Beam's response template (beam_hpu.parsers.untrusted.beam_added_tokens): keyed on the "
+              "tokenizer, whose control tokens are what it protects, so a Beam tokenizer is "
+              "protected under any --model (tests/parsers/test_untrusted.py::"
+              "test_other_tokenizers_are_left_alone: a tokenizer without it renders as vLLM does)",
         why="vLLM renders the chat template to text and tokenizes it with special tokens on, so a "
             "client string holding `<|end|><|start|>` becomes real control tokens (forged turns).",
         how="For tokenizers with a response template, renders with client text neutralised and "

@@ -104,7 +104,7 @@ INDEX: tuple[RuntimePatch, ...] = (
               "refused at load as without the plugin (tests/patches/test_scope.py)",
         why="On CPU vLLM has no FP8 MoE backend for per-channel weights with per-token activations "
             "(`Unsupported FP8 MoE backend: NONE`); on HPU vllm-gaudi's own method is chosen first.",
-        how="Where vLLM's W8A8 FP8 method found backend NONE for the published scheme, returns "
+        how="Where vLLM's W8A8 FP8 method found backend NONE for the published scheme in a Beam model, returns "
             "beam_hpu.cpu.portable_fp8_moe.PortableFp8MoEMethod instead.",
         remove_when="vLLM-CPU ships an FP8 MoE kernel for channel weights and dynamic per-token activations.",
         upstream="none filed",
@@ -122,7 +122,7 @@ INDEX: tuple[RuntimePatch, ...] = (
         why="vLLM-CPU's FP8 linears round activations with QuantFP8 (x * (1 / scale), no 1e-8): "
             "neither rounding BEAM_EXACT_ROUNDING names, so served dense layers and the reference "
             "would round differently from the experts and from each other.",
-        how="After the kernel's own __init__, a dynamic per-token kernel's quant_fp8 becomes "
+        how="After the kernel's own __init__, a Beam model's dynamic per-token kernel's quant_fp8 becomes "
             "beam_hpu.cpu.fp8_dense_rounding.dense_activation_quantiser() (the switch's rounding).",
         remove_when="The CPU path no longer serves as the stand-in for the device's FP8 rounding.",
         upstream="not an upstream bug: a port choice",
@@ -155,8 +155,9 @@ INDEX: tuple[RuntimePatch, ...] = (
         why="vLLM's scheduler serves its running requests in admission order and preempts from the "
             "end: a prompt admitted before some decodes takes the step's token budget from them and "
             "evicts them to grow (BEAM_PREFILL_INFLIGHT, beam_hpu.hpu.prefill_inflight).",
-        how="With BEAM_PREFILL_INFLIGHT=1, reorders Scheduler.running decodes first (each group in "
-            "its order) before the stock schedule() runs; with 0 calls it unchanged.",
+        how="For an engine serving Beam with BEAM_PREFILL_INFLIGHT=1, reorders Scheduler.running "
+            "decodes first (each group in its order) before the stock schedule() runs; otherwise "
+            "calls it unchanged.",
         remove_when="vLLM's scheduler gives running decodes precedence over prefill chunks.",
         upstream="none filed",
     ),

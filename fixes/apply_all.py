@@ -96,6 +96,7 @@ def describe(profile) -> str:
             continue
         lines.append(f"{index:2}. {unit.name} ({unit.package}: {', '.join(unit.files)})")
         lines.append(f"    why: {unit.why}")
+        lines.append(f"    scope: {unit.scope}")
     return "\n".join(lines)
 
 

@@ -11,7 +11,11 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-REQUIRED_FIELDS = ("name", "package", "why", "changes", "applied_when", "remove_when", "upstream")
+REQUIRED_FIELDS = ("name", "package", "why", "scope", "changes", "applied_when", "remove_when", "upstream")
+# Which models a unit's edits act for: "beam: <how the edited code checks it serves Beam>" or
+# "global: <why it must act for every model, and the test that shows it harmless>". The runtime
+# patches' index (beam_hpu/patches/__init__.py) uses the same form.
+SCOPE_KINDS = ("beam", "global")
 
 
 class UnitError(Exception):
@@ -30,6 +34,7 @@ class FixUnit:
     name: str
     package: str
     why: str
+    scope: str
     changes: str
     applied_when: str
     remove_when: str
@@ -52,11 +57,26 @@ def load_unit(path: Path) -> FixUnit:
         raise UnitError(f"{path}: missing {', '.join(missing)}")
     if data["name"] != path.stem:
         raise UnitError(f"{path}: name {data['name']!r} does not match the file name")
+    problem = scope_problem(str(data["scope"]))
+    if problem:
+        raise UnitError(f"{path}: {problem}")
     edits = tuple(_edit(path, i, e) for i, e in enumerate(data.get("edits", []), 1))
     if not edits:
         raise UnitError(f"{path}: no edits")
     fields = {f: data[f].strip() for f in REQUIRED_FIELDS}
     return FixUnit(edits=edits, source=path, **fields)
+
+
+def scope_problem(scope: str) -> str | None:
+    """Why `scope` is not of the form "beam: <how>" / "global: <why, and the test>", or None."""
+    kind, sep, said = scope.strip().partition(":")
+    if not sep or kind not in SCOPE_KINDS:
+        return f"scope must start with {' or '.join(k + ':' for k in SCOPE_KINDS)} (got {scope.strip()[:40]!r})"
+    if len(said.split()) < 2:
+        return f"scope '{kind}:' must say how it checks for Beam, or why it is global and what shows it harmless"
+    if kind == "global" and "test" not in said:
+        return "a 'global:' scope must name the test that shows it harmless"
+    return None
 
 
 def _edit(path: Path, index: int, raw: dict) -> Edit:
@@ -78,5 +98,5 @@ def _edit(path: Path, index: int, raw: dict) -> Edit:
 
 def missing_unit(name: str, path: Path) -> FixUnit:
     """A fix the profile lists whose unit file does not exist: it has no edits and is refused."""
-    return FixUnit(name=name, package="", why="", changes="", applied_when="", remove_when="",
+    return FixUnit(name=name, package="", why="", scope="", changes="", applied_when="", remove_when="",
                    upstream="", edits=(), source=path)

@@ -13,8 +13,11 @@ activations) and computes what an FP8 expert kernel computes:
 Weights stay FP8 in memory; nothing is upcast ahead of time.
 
 Where each path is chosen, and why:
-- CPU (backend NONE): this method, chosen by `portable_replacement` from the runtime patch
-  `portable-fp8-moe` (beam_hpu/patches/portable_fp8_moe.py).
+- CPU (backend NONE), Beam only: this method, chosen by `portable_replacement` from the runtime
+  patch `portable-fp8-moe` (beam_hpu/patches/portable_fp8_moe.py). Any other model keeps vLLM's
+  method, whose backend NONE then refuses the model at load (`Unsupported FP8 MoE backend: NONE`,
+  before any request), as without the plugin: this method has no shared-expert path, and
+  nothing of ours is tested on another model's experts.
 - HPU: vllm-gaudi swaps in its own compressed-tensors config and MoE method
   (HPUCompressedTensorsW8A8Fp8MoEMethod on torch.ops.hpu.mixture_of_experts); vLLM's
   `CompressedTensorsMoEMethod.get_moe_method` is not the one asked, and even if it were the
@@ -131,13 +134,15 @@ def portable_replacement(method, layer, layer_name):
     """The PortableFp8MoEMethod to use instead of vLLM's `method`, or None to keep vLLM's.
 
     Taken exactly where vLLM's W8A8 FP8 MoE method found no backend (NONE) for the published
-    scheme: channel weights, dynamic per-token activations.
+    scheme (channel weights, dynamic per-token activations) while vLLM builds a Beam model.
     """
     from compressed_tensors.quantization import QuantizationStrategy
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
 
+    from beam_hpu.scope import building_beam
+
     portable_cls, stock_cls = _method_class()
-    if (type(method) is stock_cls and method.fp8_backend == Fp8MoeBackend.NONE
+    if (building_beam() and type(method) is stock_cls and method.fp8_backend == Fp8MoeBackend.NONE
             and method.weight_quant.strategy == QuantizationStrategy.CHANNEL
             and method.input_quant.strategy == QuantizationStrategy.TOKEN and method.input_quant.dynamic):
         return portable_cls(method.weight_quant, method.input_quant, layer.moe_config, layer_name)

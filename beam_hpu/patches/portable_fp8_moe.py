@@ -1,5 +1,6 @@
-"""Runtime patch `portable-fp8-moe`: compressed-tensors W8A8 FP8 experts go to
-`beam_hpu.cpu.portable_fp8_moe.PortableFp8MoEMethod` where vLLM found no FP8 MoE backend."""
+"""Runtime patch `portable-fp8-moe`: a Beam model's compressed-tensors W8A8 FP8 experts go to
+`beam_hpu.cpu.portable_fp8_moe.PortableFp8MoEMethod` where vLLM found no FP8 MoE backend (the
+Beam check is in `portable_replacement`)."""
 
 from __future__ import annotations
 

@@ -109,7 +109,8 @@ SWITCHES: dict[str, Switch] = _switches(
         "1",
         parse_bool,
         "Whether running decodes stay in flight while a prompt prefills. With 1 (runtime patch "
-        "prefill-inflight, beam_hpu.hpu.prefill_inflight) vLLM's scheduler takes its running "
+        "prefill-inflight, beam_hpu.hpu.prefill_inflight) the scheduler of an engine serving "
+        "Beam (model_type beam; any other model keeps vLLM's order) takes its running "
         "requests decodes first, then those still prefilling, before every step: every running "
         "decode gets its token in each step that carries a prefill chunk (the chunk takes the "
         "budget left over), and when KV blocks run out the scheduler frees a prefilling request "

@@ -3,7 +3,7 @@
 
 - switches: beam_hpu.settings.switches.SWITCHES (name, default, description) and
   beam_hpu.settings.guards.FORBIDDEN_ENV
-- fixes:    the fix profiles' units (name, package, why, remove_when)
+- fixes:    the fix profiles' units (name, package, why, scope, remove_when)
 
     python3 ports/beam-1-0/gen_readme.py           # rewrite the sections
     python3 ports/beam-1-0/gen_readme.py --check   # exit 1 if the README is out of date
@@ -36,12 +36,13 @@ def fixes_section() -> str:
     from fixes.profile import load_profile
 
     port = load_profile("port-beam-1-0")
-    out = ["| # | fix | package | why | remove when |", "|---|---|---|---|---|"]
+    out = ["| # | fix | package | why | acts for | remove when |", "|---|---|---|---|---|---|"]
     base = {u.name for u in port.base.fixes}
     for i, unit in enumerate(port.fixes, 1):
         where = "v0.30.0" if unit.name in base else "port"
         cell = lambda text: " ".join(text.split()).replace("|", "\\|")  # noqa: E731
-        out.append(f"| {i} | `{unit.name}` ({where}) | {unit.package} | {cell(unit.why)} | {cell(unit.remove_when)} |")
+        out.append(f"| {i} | `{unit.name}` ({where}) | {unit.package} | {cell(unit.why)} | {cell(unit.scope)} "
+                   f"| {cell(unit.remove_when)} |")
     return "\n".join(out)
 
 

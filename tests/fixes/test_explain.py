@@ -77,7 +77,8 @@ LATER = ("toy-later", '''
 def unit_toml(name: str, anchor: str, replacement: str) -> str:
     fields = "\n".join(f'{f} = "{f} of {name}"' for f in
                        ("why", "changes", "applied_when", "remove_when", "upstream"))
-    return (f'name = "{name}"\npackage = "toypkg"\n{fields}\n\n[[edits]]\n'
+    scope = f'scope = "global: a toy fix, harmless by tests/fixes/test_explain.py"'
+    return (f'name = "{name}"\npackage = "toypkg"\n{fields}\n{scope}\n\n[[edits]]\n'
             f'file = "toypkg/runner.py"\nanchor = """{anchor}"""\nreplacement = """{replacement}"""\n')
 
 

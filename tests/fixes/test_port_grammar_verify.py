@@ -119,7 +119,7 @@ def sample_tokens_statements(path, port: bool) -> list[ast.stmt]:
     return head + body[start:end + 1]
 
 
-def run_step(tree, monkeypatch):
+def run_step(tree, monkeypatch, model_type="beam"):
     from vllm.v1.sample import rejection_sampler as vllm_rejection
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
@@ -159,7 +159,7 @@ def run_step(tree, monkeypatch):
         use_async_scheduling=False, use_structured_output=True, sampler=Sampler(), _get_model_type=lambda: "beam",
         profiler=SimpleNamespace(get_timestamp_us=lambda: 0, start=lambda *a: None, end=lambda: None, enabled=False,
                                  record_event=lambda *a: contextlib.nullcontext()),
-        _configure_lora=lambda *a: (None, None),
+        _configure_lora=lambda *a: (None, None), _get_model_type=lambda: model_type,
         _execute_model_generic=lambda *a, **k: (None, None, None, logits.clone()),
         _prepare_sampling=prepare_sampling)
     runner.rejection_sampler = type("Verify", (), {"__call__": staticmethod(verify),
@@ -185,7 +185,7 @@ def run_step(tree, monkeypatch):
         logits_prompt=[prompt_logits.clone()], logits_decode=[], prefill_sampled_token_ids=[],
         prefill_sampled_requests=[PROMPT], decode_sampled_token_ids=[], decode_sampled_requests=[],
         logprobs_segments=[], spec_decode_num_tokens=None, decode_sampled_token_ids_device=None)
-    if not tree.port:  # the stock branch masks through apply_grammar_bitmask with xgrammar's CPU kernel
+    if not tree.port or model_type != "beam":  # the stock branch masks with xgrammar's CPU kernel
         import xgrammar.kernels.apply_token_bitmask_inplace_cpu as xgr_cpu
 
         from test_fixes_gaudi_units import HostTorch
@@ -230,10 +230,25 @@ def test_verify_step_under_a_grammar_emits_the_grammar_verified_tokens(tree, mon
 def test_steps_without_drafts_keep_the_stock_branch(tree):
     statements = sample_tokens_statements(tree.runner, tree.port)
     if tree.port:
-        names = {"grammar_output": object(), "num_decodes": 2,
+        beam = SimpleNamespace(_get_model_type=lambda: "beam")
+        names = {"grammar_output": object(), "num_decodes": 2, "self": beam,
                  "decode_data": SimpleNamespace(spec_decode_metadata=None)}
         exec(compile(ast.Module(body=statements[:1], type_ignores=[]), str(tree.runner), "exec"), names)
         assert names["verify_under_grammar"] is False
-        names = {"grammar_output": None, "num_decodes": 2, "decode_data": SimpleNamespace(spec_decode_metadata=1)}
+        names = {"grammar_output": None, "num_decodes": 2, "self": beam,
+                 "decode_data": SimpleNamespace(spec_decode_metadata=1)}
         exec(compile(ast.Module(body=statements[:1], type_ignores=[]), str(tree.runner), "exec"), names)
         assert names["verify_under_grammar"] is False
+
+
+def test_another_model_keeps_the_stock_branch(tree, monkeypatch):
+    """The same verify step under a grammar for a llama: the port leaves vllm-gaudi's branch as it
+    is (the plugin's image may serve other models), so the step fails as on the tree without it."""
+    if tree.port:
+        statements = sample_tokens_statements(tree.runner, tree.port)
+        names = {"grammar_output": object(), "num_decodes": 2, "self": SimpleNamespace(_get_model_type=lambda: "llama"),
+                 "decode_data": SimpleNamespace(spec_decode_metadata=1)}
+        exec(compile(ast.Module(body=statements[:1], type_ignores=[]), str(tree.runner), "exec"), names)
+        assert names["verify_under_grammar"] is False
+    with pytest.raises(IndexError):
+        run_step(tree, monkeypatch, model_type="llama")

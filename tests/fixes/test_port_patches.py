@@ -256,7 +256,7 @@ def test_stock_prefill_window_mask_holds_for_one_sequence_only(tree):
 
 # ---------------------------------------------------------------- grammar mask on the device
 
-def masked_logits(tree, monkeypatch, switch, rows, grammar):
+def masked_logits(tree, monkeypatch, switch, rows, grammar, model_type="beam"):
     import xgrammar
 
     calls = []
@@ -269,7 +269,7 @@ def masked_logits(tree, monkeypatch, switch, rows, grammar):
     apply_mask = load(tree.runner, "apply_grammar_bitmask", RUNNER_CLS, np=np, torch=HostTorch(),
                       xgr_cpu=SimpleNamespace(apply_token_bitmask_inplace_cpu=cpu_kernel))
     runner = SimpleNamespace(input_batch=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(rows)}),
-                             device="cpu")
+                             device="cpu", _get_model_type=lambda: model_type)
     vocab = 70
     words = math.ceil(vocab / 32)
     bitmask = np.zeros((len(grammar), words), dtype=np.int32)
@@ -293,3 +293,13 @@ def test_grammar_mask_on_the_device_matches_the_cpu_round_trip(tree, monkeypatch
     for r, req in enumerate(rows):
         allowed = set(grammar.get(req, range(70)))
         assert {t for t in range(70) if device[r, t] != float("-inf")} == allowed
+
+
+def test_grammar_mask_stays_stock_for_another_model(tree, monkeypatch):
+    """The plugin's image may serve other models: with the switch on, a llama's mask still takes
+    vllm-gaudi's CPU round trip (the port acts for model type beam only)."""
+    rows, grammar = ["a", "b", "c"], {"a": [5], "b": [1, 2], "c": [64, 31]}
+    other, other_calls = masked_logits(tree, monkeypatch, "1", rows, grammar, model_type="llama")
+    beam, _ = masked_logits(tree, monkeypatch, "1", rows, grammar)
+    assert other_calls == ["cpu"]
+    assert torch.equal(other, beam)

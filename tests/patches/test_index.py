@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from beam_hpu.patches import INDEX, applies_here
+from fixes.unit import scope_problem
 from tests.support.engines import REPO, cpu_env
 
 PACKAGE = REPO / "beam_hpu"
@@ -88,6 +89,8 @@ def test_every_index_entry_says_target_why_how_and_when_it_goes():
         assert p.platform in ("any", "cpu", "hpu"), p.name
         for field in ("why", "how", "remove_when", "upstream"):
             assert getattr(p, field).strip(), (p.name, field)
+        # "beam: how it checks" or "global: why, and the test that shows it harmless" (test_scope.py)
+        assert scope_problem(p.scope) is None, (p.name, scope_problem(p.scope))
         # The patch module's NAME is the index's name: the mark it leaves says which entry it is.
         assert f'NAME = "{p.name}"' in (PACKAGE / "patches" / f"{p.module}.py").read_text(), p.name
 
@@ -140,3 +143,14 @@ def test_the_attribute_write_finder_sees_a_patch(tmp_path):
                       "setattr(plat.current_platform, 'x', 1)\n"
                       "cpu_moe.thing = 2\n")
     assert len(_vllm_attribute_writes(sample)) == 3
+
+
+def test_a_global_scope_names_a_test_file_that_exists():
+    """A "global:" entry's harmlessness rests on a test: the file it names must be in the suite."""
+    import re
+
+    for p in INDEX:
+        if p.scope.startswith("global:"):
+            files = re.findall(r"tests/[\w/]+\.py", p.scope)
+            assert files, p.name
+            assert all((REPO / f).is_file() for f in files), (p.name, files)

@@ -1,0 +1,34 @@
+"""Whether the model vLLM is serving (or building) is Beam: what every Beam-only patch asks.
+
+The plugin is installed into images that may serve other models, so each runtime patch and each
+port edit acts only when the model is Beam (transformers `model_type` "beam", beam_hpu.names),
+or its index entry says why it must be global (`scope`, beam_hpu/patches/__init__.py and the fix
+units). Two ways to ask, by what the caller holds:
+- `serves_beam(vllm_config)`: an object that keeps its engine's VllmConfig (the scheduler).
+- `building_beam()`: code that runs while vLLM builds the model's layers (quant methods, linear
+  kernels), inside vLLM's `set_current_vllm_config` context; outside it (no config) the answer is
+  False, so a layer made by hand gets vLLM's own behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from beam_hpu.names import MODEL_TYPE
+
+
+def model_type_of(vllm_config: Any) -> str | None:
+    """The hf_config's model_type of a VllmConfig, or None when it has no model config."""
+    model_config = getattr(vllm_config, "model_config", None)
+    return getattr(getattr(model_config, "hf_config", None), "model_type", None)
+
+
+def serves_beam(vllm_config: Any) -> bool:
+    return model_type_of(vllm_config) == MODEL_TYPE
+
+
+def building_beam() -> bool:
+    """True while vLLM builds a Beam model (the current VllmConfig's model is Beam)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    return serves_beam(get_current_vllm_config_or_none())

@@ -170,7 +170,7 @@ INDEX: tuple[RuntimePatch, ...] = (
         scope="global: the stock functions cannot run on vLLM-CPU at all (Triton, first verify step "
               "dies) for any model; the replacement implements speculative sampling's definition, "
               "checked against it and through vLLM's own RejectionSampler in "
-              "tests/cpu/test_rejection_sampling.py",
+              "tests/speculative/test_rejection_sampling.py",
         why="vLLM 0.30.0's rejection sampler launches its Triton kernels through JIT-warmup "
             "dispatchers that keep the kernels themselves; vLLM-CPU swaps only the module-level "
             "kernel names, so the first speculative verify step dies (no Triton CPU backend).",

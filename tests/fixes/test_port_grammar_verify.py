@@ -156,7 +156,7 @@ def run_step(tree, monkeypatch, model_type="beam"):
         input_batch=SimpleNamespace(req_ids=list(batch), req_id_to_index={r: i for i, r in enumerate(batch)},
                                     vocab_size=VOCAB),
         device="cpu", arange_np=np.arange(1000), requests={}, kv_caches=[], is_driver_worker=False,
-        use_async_scheduling=False, use_structured_output=True, sampler=Sampler(), _get_model_type=lambda: "beam",
+        use_async_scheduling=False, use_structured_output=True, sampler=Sampler(),
         profiler=SimpleNamespace(get_timestamp_us=lambda: 0, start=lambda *a: None, end=lambda: None, enabled=False,
                                  record_event=lambda *a: contextlib.nullcontext()),
         _configure_lora=lambda *a: (None, None), _get_model_type=lambda: model_type,

@@ -119,18 +119,24 @@ def sample_tokens_statements(path, port: bool) -> list[ast.stmt]:
     return head + body[start:end + 1]
 
 
-def run_step(tree, monkeypatch, model_type="beam"):
+def use_tree_rejection_sample(root, monkeypatch) -> None:
+    """vLLM's rejection_sample replaced by the tree's own (hpu_rejection_sampler.py), as on the card."""
     from vllm.v1.sample import rejection_sampler as vllm_rejection
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
-    from vllm.v1.sample.sampler import Sampler
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    gaudi_sampler = tree.root / "vllm_gaudi/v1/sample/hpu_rejection_sampler.py"
+    gaudi_sampler = root / "vllm_gaudi/v1/sample/hpu_rejection_sampler.py"
     helpers = dict(torch=torch, rejection_sampler=vllm_rejection, Optional=object, SamplingMetadata=object,
                    PLACEHOLDER_TOKEN_ID=vllm_rejection.PLACEHOLDER_TOKEN_ID)
     pytorch_sample = load(gaudi_sampler, "rejection_sample_pytorch", **helpers)
     monkeypatch.setattr(vllm_rejection, "rejection_sample",
                         load(gaudi_sampler, "rejection_sample", rejection_sample_pytorch=pytorch_sample, **helpers))
+
+
+def run_step(tree, monkeypatch, model_type="beam"):
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    use_tree_rejection_sample(tree.root, monkeypatch)
 
     logits, prompt_logits, drafts, bitmask, expected = case()
     batch = DECODES + [PROMPT]

@@ -21,7 +21,7 @@ import pytest
 import torch
 from gaudi_source import load
 from test_fixes_gaudi import pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
-from test_port_grammar_verify import HostTensor, masked_argmax, pack, sample_tokens_statements
+from test_port_grammar_verify import HostTensor, masked_argmax, pack, sample_tokens_statements, use_tree_rejection_sample
 from test_port_patches import RUNNER_CLS, tree  # noqa: F401  (the fixture: v0.30.0 only / port)
 
 K = 2
@@ -59,19 +59,13 @@ def run_step(tree, monkeypatch, requests, logits, drafts, *, model_type="beam", 
     """The decode branch of sample_tokens on one verify step: `logits` [B*(K+1), V] in the verify
     layout (sequence b at b*(K+1)), `drafts[b]` sequence b's drafts (at most K). Returns each
     sequence's emitted tokens. `grammar`: (bitmask, structured_output_request_ids)."""
-    from vllm.v1.sample import rejection_sampler as vllm_rejection
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from beam_hpu.hpu import sampled_verify
 
-    gaudi_sampler = tree.root / "vllm_gaudi/v1/sample/hpu_rejection_sampler.py"
-    helpers = dict(torch=torch, rejection_sampler=vllm_rejection, Optional=object, SamplingMetadata=object,
-                   PLACEHOLDER_TOKEN_ID=vllm_rejection.PLACEHOLDER_TOKEN_ID)
-    pytorch_sample = load(gaudi_sampler, "rejection_sample_pytorch", **helpers)
-    monkeypatch.setattr(vllm_rejection, "rejection_sample",
-                        load(gaudi_sampler, "rejection_sample", rejection_sample_pytorch=pytorch_sample, **helpers))
+    use_tree_rejection_sample(tree.root, monkeypatch)
     real_verify_step = sampled_verify.verify_step
 
     def on_host(out):  # the runner keeps the verified tokens on the card: `.to("hpu")` stays here

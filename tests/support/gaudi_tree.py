@@ -42,17 +42,19 @@ def extract(tarball: Path = TARBALL, into: Path | None = None) -> Path:
         tmp = into / f".{tree.name}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        with tarfile.open(tarball) as tar:
-            tar.extractall(tmp, filter="data")
-        tops = [p for p in tmp.iterdir()]
-        if len(tops) != 1 or not (tops[0] / "vllm_gaudi" / "__init__.py").is_file():
-            raise RuntimeError(f"{tarball}: expected one top folder holding vllm_gaudi/, found "
-                               f"{sorted(p.name for p in tops)}")
-        head = _head(tops[0])
-        if not (head or "").startswith(COMMIT_PREFIX):
-            raise RuntimeError(f"{tarball}: its checkout's HEAD is {head!r}, not {COMMIT_PREFIX}")
-        tops[0].rename(tree)
-        tmp.rmdir()
+        try:
+            with tarfile.open(tarball) as tar:
+                tar.extractall(tmp, filter="data")
+            tops = [p for p in tmp.iterdir()]
+            if len(tops) != 1 or not (tops[0] / "vllm_gaudi" / "__init__.py").is_file():
+                raise RuntimeError(f"{tarball}: expected one top folder holding vllm_gaudi/, found "
+                                   f"{sorted(p.name for p in tops)}")
+            head = _head(tops[0])
+            if not (head or "").startswith(COMMIT_PREFIX):
+                raise RuntimeError(f"{tarball}: its checkout's HEAD is {head!r}, not {COMMIT_PREFIX}")
+            tops[0].rename(tree)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return tree
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,11 +73,20 @@ def router_workers(fleet) -> dict:
 
 
 def burst(fleet, tag: str, n: int = 16) -> list[float]:
-    """`n` requests at once through the router; how many each replica finished."""
+    """`n` requests at once through the router; how many each replica finished. "At once": every
+    client is built first and a barrier releases all sends together. Built one by one inside the
+    threads, the clients spread the arrivals over about half a second, and on a fast host each
+    short answer finished before the next arrived, so the router never saw enough in flight to
+    balance (seen once: [0, 16])."""
     before = snapshot(fleet)
+    clients = [client(fleet.layout.router_url) for _ in range(n)]
+    start = threading.Barrier(n)
 
     def one(i):
-        return chat(fleet.layout.router_url, [{"role": "user", "content": f"Repeat after me: {tag}{i}"}], max_tokens=48)
+        start.wait(timeout=60)
+        return clients[i].chat.completions.create(
+            model=SERVED_NAME, messages=[{"role": "user", "content": f"Repeat after me: {tag}{i}"}],
+            temperature=0, max_tokens=48)
 
     with ThreadPoolExecutor(n) as pool:
         results = list(pool.map(one, range(n)))

@@ -1,144 +1,28 @@
-"""`beam-hpu`: tiny checkpoints and the CPU demo.
+"""`beam-hpu`: tiny checkpoints, the CPU demo and the stored reference. Parses and dispatches only.
 
   beam-hpu tiny DIR [--preset small|wide|trained] [--dtype bfloat16|float32] [--seed N] [--fp8]
   beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--draft] [--print-only]
                 [--replicas N [--policy cache_aware|round_robin|...]]
   beam-hpu reference CHECKPOINT (--passages FILE | --text F ...) --out REF.json [--fp8-max 448|240] [--workdir DIR]
 
-`demo` is the project's main job on a machine without Gaudi: it writes a tiny Beam checkpoint (by
-default the committed tiny trained Beam, which reasons briefly, answers and calls tools) and
-serves it with `vllm serve`, using every flag of the recipe's launch block that means something on
-CPU (see `serve_command`), so the same plugin, model and parsers run as on the Gaudi node.
+`tiny` and `demo`: `beam_hpu.demo.serve`; `demo --replicas`: `beam_hpu.replicas.demo`;
+`reference`: `beam_hpu.gates.stored_reference`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
-import shutil
 import sys
-from pathlib import Path
 
-from beam_hpu.names import LOAD_FORMAT, PARSER
-
-DEFAULT_DEMO_DIR = Path(".beam-hpu/tiny-demo")
-# Random-weight presets of beam_hpu.tiny.checkpoint; "trained" on the command line means the trained weights.
-PRESET_NAMES = ["small", "wide"]
-SERVED_NAME = "beam-tiny"
-
-
-def serve_command(model_dir: str | Path, *, port: int = 8000, tp: int = 1, ep: bool = False,
-                  max_model_len: int = 4096, extra: list[str] | None = None) -> list[str]:
-    """`vllm serve` for a tiny Beam on CPU, flag for flag from the Gaudi recipe where it applies.
-
-    Kept from the recipe: --dtype bfloat16, --block-size 128, --max-num-seqs 16,
-    --max-num-batched-tokens 4096, --enable-prefix-caching, --enable-prompt-tokens-details,
-    --enable-expert-parallel (with --ep), --load-format beam and the `beam` parsers.
-    Changed for CPU, and why: --enforce-eager (the recipe forbids it on HPU because eager decode
-    is host-bound there; on CPU it only skips a minutes-long inductor compile of a tiny model);
-    --max-model-len 4096 (the tiny model's positions); no --gpu-memory-utilization (CPU sizes the
-    KV cache from VLLM_CPU_KVCACHE_SPACE); no --async-scheduling and no
-    --max-cudagraph-capture-size (vLLM's CPU platform turns both off).
-    """
-    vllm = shutil.which("vllm", path=os.path.dirname(sys.executable)) or "vllm"
-    cmd = [
-        vllm, "serve", str(model_dir),
-        "--served-model-name", SERVED_NAME,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--tensor-parallel-size", str(tp),
-        "--dtype", "bfloat16",
-        "--block-size", "128",
-        "--max-model-len", str(max_model_len),
-        "--max-num-seqs", "16",
-        "--max-num-batched-tokens", "4096",
-        "--enable-prefix-caching",
-        "--enable-prompt-tokens-details",
-        "--enforce-eager",
-    ]
-    if ep:
-        cmd.append("--enable-expert-parallel")
-    # The port's loader and parsers, as in the recipe.
-    cmd += ["--load-format", LOAD_FORMAT,
-            "--reasoning-parser", PARSER, "--enable-auto-tool-choice", "--tool-call-parser", PARSER]
-    return cmd + list(extra or [])
-
-
-def serve_env(tp: int = 1) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; plenty for a tiny model
-    if tp > 1:
-        # One NUMA node and 2 cores here: vLLM needs an explicit CPU list per rank.
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp)))
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    return env
-
-
-def write_checkpoint(out, preset: str, dtype: str, seed: int, fp8: bool):
-    """A tiny Beam; with `fp8`, quantised as the published checkpoint is (compressed-tensors FP8).
-
-    `trained` is the committed tiny trained Beam (`beam_hpu.tiny.train`): it answers, calls tools
-    and copies, so the demo's replies mean something; its weights are fixed (bf16), `seed` and
-    `dtype` do not apply. The other presets are random weights of that seed."""
-    if preset == "trained":
-        import shutil
-
-        from beam_hpu.tiny.checkpoint import TRAINED_DIR
-
-        if fp8:
-            from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
-
-            return quantize_checkpoint(TRAINED_DIR, out)
-        shutil.copytree(TRAINED_DIR, out, dirs_exist_ok=True)
-        return Path(out)
-    if fp8:
-        from beam_hpu.quant.fp8_checkpoint import write_tiny_fp8_checkpoint
-
-        return write_tiny_fp8_checkpoint(out, preset, seed=seed)
-    from beam_hpu.tiny.checkpoint import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(out, preset, dtype=dtype, seed=seed)
-
-
-def _tiny(args) -> int:
-    if args.preset == "trained" and (args.dtype != "bfloat16" or args.seed != 0):
-        # The trained weights are fixed; a silently different checkpoint would be worse than a refusal.
-        raise SystemExit("beam-hpu tiny: --preset trained writes the committed bf16 weights; "
-                         "--dtype and --seed do not apply (leave them at bfloat16 / 0)")
-    out = write_checkpoint(args.dir, args.preset, args.dtype, args.seed, args.fp8)
-    kind = "FP8" if args.fp8 else args.dtype
-    print(f"wrote tiny Beam ({args.preset}, {kind}, seed {args.seed}) to {out}")
-    return 0
+from beam_hpu.demo.serve import DEFAULT_DEMO_DIR, PRESET_NAMES, demo_command, tiny_command
 
 
 def _demo(args) -> int:
-    if args.draft and args.preset != "trained":
-        raise SystemExit("beam-hpu demo: --draft needs --preset trained (the drafter is trained on that model)")
-    model_dir = write_checkpoint(args.dir, args.preset, "bfloat16", 0, args.fp8)
     if args.replicas > 1:
-        if args.tp != 1 or args.ep or args.draft:
-            raise SystemExit("beam-hpu demo --replicas: each replica is TP 1 on its own core, without a drafter; "
-                             "drop --tp/--ep/--draft")
         from beam_hpu.replicas.demo import run
 
-        return run(model_dir, args)
-    extra = None
-    if args.draft:
-        from beam_hpu.tiny.drafter import speculative_config
-
-        extra = ["--speculative-config", speculative_config()]
-    cmd = serve_command(model_dir, port=args.port, tp=args.tp, ep=args.ep, extra=extra)
-    base = f"http://127.0.0.1:{args.port}/v1"
-    print(f"tiny Beam checkpoint: {model_dir}\nserving: {shlex.join(cmd)}\n"
-          f"try, once it says 'Application startup complete':\n"
-          f"  curl {base}/models\n"
-          f"  curl {base}/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{SERVED_NAME}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Repeat after me: Paris\"}}], "
-          f"\"max_tokens\": 32}}'", flush=True)
-    if args.print_only:
-        return 0
-    os.execvpe(cmd[0], cmd, serve_env(args.tp))
+        return run(args)
+    return demo_command(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--fp8", action="store_true", help="compressed-tensors FP8, as the published checkpoint")
-    t.set_defaults(func=_tiny)
+    t.set_defaults(func=tiny_command)
     d = sub.add_parser("demo", help="write a tiny Beam and serve it with `vllm serve` on CPU")
     d.add_argument("--dir", default=str(DEFAULT_DEMO_DIR))
     d.add_argument("--preset", default="trained", choices=["trained", *PRESET_NAMES],
@@ -167,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--policy", default="cache_aware", help="vllm-router --policy with --replicas (default cache_aware)")
     d.set_defaults(func=_demo)
     r = sub.add_parser("reference", help="write the perplexity gate's stored reference, streaming the "
-                       "checkpoint layer by layer (resumable; beam_hpu.quant.streamed_reference)")
-    from beam_hpu.quant.streamed_reference import add_arguments, run_cli
+                       "checkpoint layer by layer (resumable; beam_hpu.gates.stored_reference)")
+    from beam_hpu.gates.stored_reference import add_arguments, run_cli
 
     add_arguments(r)
     r.set_defaults(func=run_cli)

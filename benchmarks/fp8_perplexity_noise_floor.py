@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from beam_hpu.quant import reference as R  # noqa: E402
+from beam_hpu.reference import in_memory as R  # noqa: E402
 from beam_hpu.gates import perplexity as P  # noqa: E402
 from beam_hpu.gates.profile import get_profile  # noqa: E402
 

@@ -11,7 +11,7 @@ Per layer, with the page cache emptied for the checkpoint before each cold measu
 --rounds interleaved rounds (the three back to back, their order rotated each round, so the host's
 load falls on all three alike; benchmarks/measured_bounds.py):
   read   the raw sequential read of that layer's bytes (16 MiB reads, cold): the disk's limit;
-  layer  `streamed_reference.run_layer` as the command runs it (cold): seconds, bytes the reader
+  layer  `beam_hpu.reference.streamed.run_layer` as the command runs it (cold): seconds, bytes the reader
          asked for, bytes the kernel read from storage (/proc/self/io); every round's output equal;
   arith  the same layer's arithmetic on its own: the experts' bytes served from memory (a pool of
          real expert bytes, no disk), the rest from the page cache; routing is the real one.
@@ -56,10 +56,10 @@ from loader_ep8 import (  # noqa: E402  (shapes, names, cache and I/O accounting
 )
 
 from beam_hpu.loader.reader import RangeReader  # noqa: E402
-from beam_hpu.quant import reference_plan as rp  # noqa: E402
-from beam_hpu.quant import streamed_reference as sr  # noqa: E402
 from beam_hpu.quant.fp8_checkpoint import beam_fp8_quantization_config  # noqa: E402
-from beam_hpu.quant.reference_workdir import Workdir  # noqa: E402
+from beam_hpu.reference import plan as rp  # noqa: E402
+from beam_hpu.reference import streamed as sr  # noqa: E402
+from beam_hpu.reference.workdir import Workdir  # noqa: E402
 
 POOL = 1 << 27  # FP8 values every weight is cut from (the largest weight has 105M)
 

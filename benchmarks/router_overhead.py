@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from beam_hpu.cli import SERVED_NAME  # noqa: E402
+from beam_hpu.demo.serve import SERVED_NAME  # noqa: E402
 from beam_hpu.replicas import metrics  # noqa: E402
 from beam_hpu.replicas.layout import RouterSettings, plan, router_command  # noqa: E402
 from beam_hpu.replicas.supervisor import Fleet  # noqa: E402

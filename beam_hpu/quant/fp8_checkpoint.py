@@ -129,7 +129,7 @@ def dequantize_checkpoint(src: str | Path, out: str | Path, dtype: str = "float3
     """Write the weight-only copy of the FP8 checkpoint `src`: every FP8 weight replaced by
     `fp8 * weight_scale` in `dtype`, no quantization_config. Served, it is the FP8 model with the
     activation quantisation removed (what a dequantise-everything upcast path would compute).
-    compressed-tensors' own dequantiser does the arithmetic, as in `beam_hpu.quant.reference`."""
+    compressed-tensors' own dequantiser does the arithmetic, as in `beam_hpu.reference.in_memory`."""
     import json
     import shutil
 

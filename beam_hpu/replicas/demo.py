@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from beam_hpu.demo.serve import write_checkpoint
 from beam_hpu.replicas.layout import RouterSettings, plan
 from beam_hpu.replicas.supervisor import Fleet
 
@@ -29,7 +30,12 @@ def commands_text(layout) -> str:
     return "\n".join(lines)
 
 
-def run(model_dir: str | Path, args) -> int:
+def run(args) -> int:
+    """`beam-hpu demo --replicas N` (N >= 2): the demo's checkpoint, then the fleet."""
+    if args.tp != 1 or args.ep or args.draft:
+        raise SystemExit("beam-hpu demo --replicas: each replica is TP 1 on its own core, without a drafter; "
+                         "drop --tp/--ep/--draft")
+    model_dir = write_checkpoint(args.dir, args.preset, "bfloat16", 0, args.fp8)
     try:
         layout = plan(model_dir, args.replicas, router_port=args.port, settings=RouterSettings(policy=args.policy),
                       router_exe=None if not args.print_only else "vllm-router")

@@ -1,6 +1,6 @@
 """Where each replica and the router run, and their command lines (no processes here).
 
-A replica is the demo's own `vllm serve` (`beam_hpu.cli.serve_command`, TP 1) on its own
+A replica is the demo's own `vllm serve` (`beam_hpu.demo.serve.serve_command`, TP 1) on its own
 loopback port and its own CPU core; `vllm-router` (the vLLM project's router, PyPI
 `vllm-router`) listens on the demo's port in front of them. Every router flag used here is one
 `vllm-router --help` lists for 0.1.17.
@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from beam_hpu.cli import serve_command, serve_env
+from beam_hpu.demo.serve import serve_command, serve_env
 
 # The policies `vllm-router --policy` accepts that make sense in front of plain replicas.
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "consistent_hash", "random")

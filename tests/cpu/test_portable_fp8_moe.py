@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from beam_hpu.cpu.portable_fp8_moe import fp8_experts_forward, local_expert_ids
-from beam_hpu.quant.reference import fake_quant_per_token
+from beam_hpu.reference.in_memory import fake_quant_per_token
 
 E, H, I, T, K = 6, 64, 32, 9, 2
 FP8 = torch.float8_e4m3fn

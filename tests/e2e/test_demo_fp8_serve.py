@@ -4,7 +4,7 @@ command line, answers a chat completion over HTTP (FP8 experts on the portable p
 import pytest
 from openai import OpenAI
 
-from beam_hpu.cli import write_checkpoint
+from beam_hpu.demo.serve import write_checkpoint
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow

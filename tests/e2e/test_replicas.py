@@ -17,7 +17,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from beam_hpu.cli import SERVED_NAME
+from beam_hpu.demo.serve import SERVED_NAME
 from beam_hpu.replicas import metrics
 from beam_hpu.replicas.layout import plan
 from beam_hpu.replicas.supervisor import Fleet

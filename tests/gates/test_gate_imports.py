@@ -1,22 +1,14 @@
 """The gate suite runs on the Gaudi node against any endpoint: no module of it imports the tiny
 model's trainer (torch training code, seeded mixtures), only the tasks it shares with it."""
 
-import ast
-
 from tests.support.engines import REPO
+from tests.support.import_graph import imported_names
 
 TRAINER = "beam_hpu.tiny.train"
 
 
 def imported_modules(path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names |= {f"{node.module}.{a.name}" for a in node.names}
-    return names
+    return imported_names(path, "beam_hpu.gates")
 
 
 def test_no_gate_module_imports_the_trainer():

@@ -10,6 +10,8 @@ from beam_hpu.tiny import tasks as syn
 from beam_hpu.gates.perplexity import coarse_kl
 from beam_hpu.gates.profile import get_profile
 from beam_hpu.gates.result import GateResult, table, write_json
+from beam_hpu.reference import live
+from beam_hpu.reference.file_format import FORMAT
 
 
 def test_coarse_kl_is_zero_for_equal_and_a_lower_bound_of_the_full_kl():
@@ -80,7 +82,7 @@ class _ModelEndpoint:
         self.model, self.noise = model, noise
 
     def prompt_top(self, ids, k):
-        from beam_hpu.quant.reference import next_token_logprobs
+        from beam_hpu.reference.in_memory import next_token_logprobs
 
         lp = next_token_logprobs(self.model, ids)
         if self.noise:
@@ -97,7 +99,7 @@ class _ModelEndpoint:
 
 def test_perplexity_gate_from_a_stored_reference_file_passes_same_and_fails_perturbed(tmp_path):
     from beam_hpu.gates import perplexity
-    from beam_hpu.quant.reference import load_oracle
+    from beam_hpu.reference.in_memory import load_oracle
     from beam_hpu.tiny.checkpoint import write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "small", dtype="float32")
@@ -107,9 +109,9 @@ def test_perplexity_gate_from_a_stored_reference_file_passes_same_and_fails_pert
     # reference against an fp32 server moves this random-weight passage's perplexity by about the
     # 1% bar, by an amount that depends on the host's bf16 kernels).
     fp32 = get_profile("gaudi", reference_dtype="float32")
-    perplexity.write_reference_file(ckpt, passages, ref_file, fp32, k=10)
+    live.write_reference_file(ckpt, passages, ref_file, fp32, k=10)
     stored = json.loads(ref_file.read_text())
-    assert stored["format"] == perplexity.FORMAT and len(stored["passages"]) == 2
+    assert stored["format"] == FORMAT and len(stored["passages"]) == 2
     model = load_oracle(ckpt, torch.float32)
     same = perplexity.run(_ModelEndpoint(model), get_profile("gaudi"), reference_file=ref_file)
     assert same.passed, same.result
@@ -137,7 +139,7 @@ class _CorruptAt(_ModelEndpoint):
 
 def test_perplexity_gate_counts_only_the_scored_positions(tmp_path):
     from beam_hpu.gates import perplexity
-    from beam_hpu.quant.reference import load_oracle
+    from beam_hpu.reference.in_memory import load_oracle
     from beam_hpu.tiny.checkpoint import write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "small", dtype="float32")
@@ -145,7 +147,7 @@ def test_perplexity_gate_counts_only_the_scored_positions(tmp_path):
     scored = [False] * 20 + [True] * 20
     ref_file = tmp_path / "ref.json"
     fp32 = get_profile("gaudi", reference_dtype="float32")  # the stand-in server below computes in fp32
-    perplexity.write_reference_file(ckpt, {"half": (ids, scored)}, ref_file, fp32, k=10)
+    live.write_reference_file(ckpt, {"half": (ids, scored)}, ref_file, fp32, k=10)
     stored = json.loads(ref_file.read_text())["passages"][0]
     assert stored["scored"] == [int(x) for x in scored]
     model = load_oracle(ckpt, torch.float32)
@@ -155,7 +157,7 @@ def test_perplexity_gate_counts_only_the_scored_positions(tmp_path):
     scored_wrong = perplexity.run(_CorruptAt(model, [25, 30]), get_profile("gaudi"), reference_file=ref_file)
     assert not scored_wrong.passed, scored_wrong.result
     with pytest.raises(ValueError, match="position 0"):
-        perplexity.write_reference_file(ckpt, {"bad": (ids, [True] * len(ids))}, ref_file, fp32)
+        live.write_reference_file(ckpt, {"bad": (ids, [True] * len(ids))}, ref_file, fp32)
 
 
 def test_cpu_passages_score_what_the_tiny_model_was_trained_to_predict():

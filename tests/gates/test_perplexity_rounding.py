@@ -2,9 +2,9 @@
 
 import torch
 
-from beam_hpu.gates import perplexity
 from beam_hpu.gates.profile import get_profile
-from beam_hpu.quant.reference import load_reference, next_token_logprobs
+from beam_hpu.reference.in_memory import load_reference, next_token_logprobs
+from beam_hpu.reference.live import live_reference
 
 
 def test_live_reference_follows_the_switch(conditioned_pair, monkeypatch):
@@ -18,7 +18,7 @@ def test_live_reference_follows_the_switch(conditioned_pair, monkeypatch):
     refs = {}
     for value in ("1", "0"):
         monkeypatch.setenv("BEAM_EXACT_ROUNDING", value)
-        ref = perplexity.live_reference(fp8, {"p": ids}, 5, profile)
+        ref = live_reference(fp8, {"p": ids}, 5, profile)
         assert f"BEAM_EXACT_ROUNDING={value}" in ref["reference"]
         refs[value] = ref["passages"][0]["token_logprobs"][1:]
         # The same numbers as the reference loaded in that mode directly.
@@ -27,5 +27,5 @@ def test_live_reference_follows_the_switch(conditioned_pair, monkeypatch):
         assert torch.allclose(torch.tensor(refs[value]), expected, rtol=0, atol=1e-6)
     assert refs["1"] != refs["0"]
     # exact= given explicitly wins over the switch.
-    explicit = perplexity.live_reference(fp8, {"p": ids}, 5, profile, exact=True)
+    explicit = live_reference(fp8, {"p": ids}, 5, profile, exact=True)
     assert explicit["passages"][0]["token_logprobs"][1:] == refs["1"]

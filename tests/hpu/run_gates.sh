@@ -30,7 +30,7 @@ layer took 270-430 s for the 2,980 tokens of 257 + 1,024 + 1,699, of which its 1
 passages' tokens and falls with cores: use the host with the most cores you have. Without native
 bf16 matmuls (AVX2) float32 is several times faster than bfloat16 (the gate profile's reference
 precision); with AVX512-BF16/AMX bfloat16 is the one to use.
-Progress, per layer with an ETA, is logged on vllm.beam_hpu.quant.reference.
+Progress, per layer with an ETA, is logged on vllm.beam_hpu.reference.
 Resume: if it is killed or stopped (--stop-after-layer K), run the same command again: it continues
 after the newest layer saved in the workdir (--workdir, default REF.json.work: two layers' hidden
 states, ~0.3 GB at 3K tokens); a truncated or corrupt layer file fails its checksum and is

@@ -44,7 +44,7 @@ def test_install_wraps_once_and_only_imported_modules(monkeypatch):
 def test_vllm_serve_refuses_a_forbidden_launch(tiny_fp32):
     """A real `vllm serve` of a tiny Beam with the recipe's "What not to do" flags: it must exit
     non-zero before the engine starts, naming both culprits."""
-    from beam_hpu.cli import serve_command, serve_env
+    from beam_hpu.demo.serve import serve_command, serve_env
 
     cmd = serve_command(tiny_fp32, port=1, extra=["--chat-template-content-format", "openai",
                                                   "--tool-call-parser", "hermes"])

@@ -20,10 +20,10 @@ import torch
 
 from beam_hpu.quant.fp8_checkpoint import dequantize_checkpoint
 from beam_hpu.quant.metrics import mean_kl, perplexity_change, top1_agreement
-from beam_hpu.quant.reference import load_oracle, load_reference, next_token_logprobs, prompt_logprobs, set_activation_quant
+from beam_hpu.reference.in_memory import load_oracle, load_reference, next_token_logprobs, prompt_logprobs, set_activation_quant
 from tests.support.engines import run_engine
 
-from .test_fp8_reference import PROMPTS
+from tests.reference.test_in_memory import PROMPTS
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from beam_hpu.quant.metrics import mean_kl
-from beam_hpu.quant.reference import load_reference, next_token_logprobs, set_activation_quant
+from beam_hpu.reference.in_memory import load_reference, next_token_logprobs, set_activation_quant
 from tests.support.engines import run_engine
 
 from .test_fp8_served_accuracy import fp8_gate, references  # noqa: F401  (module fixture)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from beam_hpu.cli import serve_command
+from beam_hpu.demo.serve import serve_command
 from beam_hpu.replicas.layout import POLICIES, RouterSettings, plan, router_command, router_executable
 
 

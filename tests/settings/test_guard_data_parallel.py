@@ -8,7 +8,7 @@ from argparse import Namespace
 
 import pytest
 
-from beam_hpu.cli import serve_command, serve_env
+from beam_hpu.demo.serve import serve_command, serve_env
 from beam_hpu.settings.guards import startup_problems
 from beam_hpu.tiny.checkpoint import TRAINED_DIR
 from tests.support.engines import REPO

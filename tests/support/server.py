@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from beam_hpu.cli import SERVED_NAME, serve_command, serve_env
+from beam_hpu.demo.serve import SERVED_NAME, serve_command, serve_env
 from tests.support.engines import REPO
 from tests.support.parallel import engine_env, free_port
 

@@ -1,9 +1,6 @@
 """The stored perplexity reference (`beam-gates-reference/1`) for a checkpoint no host can hold:
-`beam_hpu.quant.reference`'s per-token FP8 reference computed one layer at a time.
-
-  beam-hpu reference CHECKPOINT (--passages FILE | --text F [--text F ...]) --out REF.json
-      [--fp8-max 448|240] [--dtype bfloat16|float32] [--workdir DIR] [--topk 20] [--profile gaudi]
-      [--stop-after-layer K]
+`beam_hpu.reference.in_memory`'s per-token FP8 reference computed one layer at a time. The command
+that runs it is `beam-hpu reference` (`beam_hpu.gates.stored_reference`: it picks the gate profile).
 
 Passages FILE: a JSON object, passage name -> token ids, or -> {"token_ids": [...], "scored": [...]}
 (`scored` as in the reference format); or text files, one passage each. The run:
@@ -14,7 +11,7 @@ Passages FILE: a JSON object, passage name -> token ids, or -> {"token_ids": [..
   3. per layer: reads that layer's tensors (the project's checkpoint reader: header table, preadv
      of byte runs, no mmap), runs both streams (the reference and its top-1 floor model, see
      `layer_stream.Stream`) of every passage through it, frees it, saves the hidden states to the
-     workdir (`reference_workdir`), logs time, bytes and an ETA on `vllm.beam_hpu.quant.reference`;
+     workdir (`reference_workdir`), logs time, bytes and an ETA on `vllm.beam_hpu.reference`;
   4. final norm and LM head in vocabulary slices (log-sum-exp, top-k and the tokens' logits merged
      over slices), and writes the file the perplexity gate reads.
 Memory: one layer's tensors (an MoE layer: its attention and router, and two groups of experts of
@@ -34,16 +31,16 @@ from pathlib import Path
 
 import torch
 
-from beam_hpu.gates.perplexity import FORMAT, scored_positions
 from beam_hpu.loader.options import LoaderOptions
 from beam_hpu.loader.reader import RangeReader
-from beam_hpu.quant import layer_stream as ls
 from beam_hpu.quant.fp8_dequant import dequantise_rows
-from beam_hpu.quant.reference_plan import Passage, Plan, make_plan, read_passages, text_passages
-from beam_hpu.quant.reference_workdir import Workdir
-from beam_hpu.quant.reference import FP8_E4M3FN_MAX, set_activation_quant
+from beam_hpu.reference import layer_stream as ls
+from beam_hpu.reference.file_format import FORMAT, gates_of, scored_positions
+from beam_hpu.reference.in_memory import FP8_E4M3FN_MAX, set_activation_quant
+from beam_hpu.reference.plan import Passage, Plan, make_plan
+from beam_hpu.reference.workdir import Workdir
 
-logger = logging.getLogger("vllm.beam_hpu.quant.reference")
+logger = logging.getLogger("vllm.beam_hpu.reference")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # fp32 LM-head rows per vocabulary slice, in bytes.
 VOCAB_SLICE_BYTES = 256 << 20
@@ -51,7 +48,7 @@ VOCAB_SLICE_BYTES = 256 << 20
 
 def _dequantised(plan: Plan, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every FP8 weight (a `.weight` with its `.weight_scale`) dequantised as compressed-tensors'
-    dequantiser does it for beam_hpu.quant.reference (`fp8_dequant`: the same bits, faster);
+    dequantiser does it for beam_hpu.reference.in_memory (`fp8_dequant`: the same bits, faster);
     the rest as it is."""
     if not plan.fp8:
         return raw
@@ -169,7 +166,7 @@ def _expert_weights(plan: Plan, raw: dict, i: int, e: int, dtype: torch.dtype):
 @torch.no_grad()
 def head(plan: Plan, states: dict[str, torch.Tensor], reader: RangeReader, k: int) -> dict:
     """Final norm, LM head in vocabulary slices, soft-cap and log-softmax as BeamForCausalLM and
-    `beam_hpu.quant.reference.next_token_logprobs` compute them; per stream and passage: the token's
+    `beam_hpu.reference.in_memory.next_token_logprobs` compute them; per stream and passage: the token's
     logprob, top-k, and top-1 at every position."""
     from transformers.models.beam.modeling_beam import BeamRMSNorm
 
@@ -217,10 +214,10 @@ def head(plan: Plan, states: dict[str, torch.Tensor], reader: RangeReader, k: in
 
 
 def reference_document(plan: Plan, heads: dict, k: int, profile, checkpoint: str | Path) -> dict:
-    """The `beam-gates-reference/1` document, as `beam_hpu.gates.perplexity.live_reference` writes it."""
+    """The `beam-gates-reference/1` document, as `beam_hpu.reference.live.live_reference` writes it."""
     ref = plan.streams[0]
     dtype_name = {v: n for n, v in DTYPES.items()}[ref.dtype]
-    name = (f"per-token FP8 reference (beam_hpu.quant.reference, BEAM_EXACT_ROUNDING={int(plan.exact)})" if plan.fp8
+    name = (f"per-token FP8 reference (beam_hpu.reference.in_memory, BEAM_EXACT_ROUNDING={int(plan.exact)})" if plan.fp8
             else "transformers Beam")
     if plan.fp8 and ref.fp8_max != FP8_E4M3FN_MAX:
         name += f", fp8_max {ref.fp8_max:g}"
@@ -239,7 +236,7 @@ def reference_document(plan: Plan, heads: dict, k: int, profile, checkpoint: str
         doc["floor_top1"] = float((f["top_i"][at, 0] == r["top_i"][at, 0]).double().mean())
         passages.append(doc)
     return {"format": FORMAT, "model": str(checkpoint), "reference": f"{name}, {dtype_name}", "topk": k,
-            "gates": {"ppl_rel": profile.ppl_rel_gate, "kl": profile.kl_gate, "top1_margin": profile.top1_margin},
+            "gates": gates_of(profile),
             "passages": passages}
 
 
@@ -254,15 +251,12 @@ def _eta(times: dict[bool, list[float]], remaining: list[bool]) -> float:
 def write_streamed_reference(checkpoint: str | Path, passages: list[Passage], out: str | Path, *,
                              dtype: torch.dtype = torch.bfloat16, fp8_max: float | None = None,
                              exact: bool | None = None,
-                             workdir: str | Path | None = None, k: int = 20, profile=None,
+                             profile, workdir: str | Path | None = None, k: int = 20,
                              stop_after_layer: int | None = None, options: LoaderOptions | None = None,
                              on_layer=None) -> dict | None:
     """Write the reference file `out`; return its document (None when stopped by `stop_after_layer`:
     the hook that ends a run once that layer is saved, as a kill would, for tests and for splitting
     a run over sessions). `on_layer(i, seconds, bytes_read)` is called after each computed layer."""
-    from beam_hpu.gates.profile import get_profile
-
-    profile = profile or get_profile("gaudi")
     plan = make_plan(checkpoint, passages, dtype, fp8_max, exact)
     out = Path(out)
     work = Workdir(workdir or out.with_name(out.name + ".work"), plan.description)
@@ -301,50 +295,3 @@ def write_streamed_reference(checkpoint: str | Path, passages: list[Passage], ou
     tmp.replace(out)
     logger.info("reference: wrote %s (%d passages)", out, len(doc["passages"]))
     return doc
-
-
-def add_arguments(p) -> None:
-    p.add_argument("checkpoint")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--passages", help="JSON: passage name -> token ids (or {token_ids, scored})")
-    src.add_argument("--text", action="append",
-                     help="a text file, one passage, tokenized with the checkpoint's tokenizer (repeatable)")
-    p.add_argument("--out", required=True, help="the reference file to write (beam-gates-reference/1)")
-    p.add_argument("--fp8-max", type=float, choices=[448.0, 240.0], default=None,
-                   help="FP8 e4m3 range of the activation rounding: 448 (OCP, default for an FP8 checkpoint) "
-                        "or 240 (Gaudi 2); the rounding itself follows BEAM_EXACT_ROUNDING, as the "
-                        "server's does (0, the recipe's, by default)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="precision of everything but the FP8 roundings (default: the profile's, bfloat16)")
-    p.add_argument("--workdir", default=None, help="per-layer hidden states, for resuming (default: OUT.work)")
-    p.add_argument("--topk", type=int, default=None, help="top-k stored per position (default: the profile's)")
-    p.add_argument("--profile", default="gaudi", help="gate profile whose gates the file carries")
-    p.add_argument("--stop-after-layer", type=int, default=None,
-                   help="stop once this layer (0-based) is saved in the workdir; the same command resumes")
-
-
-def run_cli(args) -> int:
-    from beam_hpu.gates.profile import get_profile
-
-    # Progress on stderr when nothing (vLLM's logging) has set a handler up.
-    log = logging.getLogger("vllm.beam_hpu.quant.reference")
-    handler = None
-    if not logging.getLogger("vllm.beam_hpu").handlers and not logging.getLogger("vllm").handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-    profile = get_profile(args.profile)
-    dtype = DTYPES[args.dtype or profile.reference_dtype]
-    passages = read_passages(args.passages) if args.passages else text_passages(args.checkpoint, args.text)
-    try:
-        doc = write_streamed_reference(args.checkpoint, passages, args.out, dtype=dtype,
-                                       fp8_max=args.fp8_max, workdir=args.workdir,
-                                       k=args.topk or profile.ppl_topk, profile=profile,
-                                       stop_after_layer=args.stop_after_layer)
-    finally:
-        if handler is not None:
-            log.removeHandler(handler)
-    print(f"wrote {args.out}" if doc is not None else f"stopped after layer {args.stop_after_layer}; "
-          f"run the same command again to resume")
-    return 0

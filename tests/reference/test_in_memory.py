@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from beam_hpu.quant.metrics import mean_kl, perplexity_change
-from beam_hpu.quant.reference import (
+from beam_hpu.reference.in_memory import (
     GAUDI2_FP8_MAX,
     INPUT_QUANT_ATTR,
     fake_quant_per_token,

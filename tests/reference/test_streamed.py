@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from beam_hpu.cli import main as cli
-from beam_hpu.gates.perplexity import FORMAT, live_reference
 from beam_hpu.gates.profile import get_profile
 from beam_hpu.loader.checkpoint import CheckpointError
-from beam_hpu.quant import layer_stream
-from beam_hpu.quant.reference_workdir import WorkdirError
-from beam_hpu.quant.reference_plan import Passage, make_plan, read_passages
-from beam_hpu.quant.streamed_reference import write_streamed_reference
+from beam_hpu.reference import layer_stream
+from beam_hpu.reference import streamed as streamed_reference
+from beam_hpu.reference.file_format import FORMAT
+from beam_hpu.reference.live import live_reference
+from beam_hpu.reference.plan import Passage, make_plan, read_passages
+from beam_hpu.reference.workdir import WorkdirError
 from tests.quant import broken_checkpoints as broken
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +49,12 @@ def as_live(passages: dict) -> dict:
 
 def profile(dtype: str):
     return get_profile("gaudi", reference_dtype=dtype)
+
+
+def write_streamed_reference(*args, **kwargs):
+    """The streamed reference with the gaudi profile's bars, as `beam-hpu reference` writes it."""
+    kwargs.setdefault("profile", get_profile("gaudi"))
+    return streamed_reference.write_streamed_reference(*args, **kwargs)
 
 
 _LIVE = {}
@@ -133,7 +140,7 @@ def test_stopped_after_layer_k_and_resumed_writes_the_same_file(tiny_pair, passa
                                     on_layer=lambda i, *_: done.append(i)) is None
     assert done == [0, 1, 2] and not out.exists()
     assert sorted(p.name for p in work.glob("layer-*")) == ["layer-0001.safetensors", "layer-0002.safetensors"]
-    with caplog.at_level(logging.INFO, logger="vllm.beam_hpu.quant.reference"):
+    with caplog.at_level(logging.INFO, logger="vllm.beam_hpu.reference"):
         doc = write_streamed_reference(checkpoint, ps, out, dtype=torch.float32, workdir=work,
                                        on_layer=lambda i, *_: done.append(i))
     assert done == [0, 1, 2, 3, 4, 5]  # the resumed run computed only the missing layers
@@ -179,7 +186,7 @@ def test_a_damaged_layer_file_is_recomputed_never_used(tiny_pair, passages_file,
         data = data[: len(data) - 1000]
     victim.write_bytes(bytes(data))
     done = []
-    with caplog.at_level(logging.WARNING, logger="vllm.beam_hpu.quant.reference"):
+    with caplog.at_level(logging.WARNING, logger="vllm.beam_hpu.reference"):
         doc = write_streamed_reference(checkpoint, ps, out, dtype=torch.float32, workdir=work,
                                        on_layer=lambda i, *_: done.append(i))
     assert done == [3, 4, 5]  # from the layer-2 file, the one before the damaged one

@@ -64,7 +64,7 @@ def fp8_reference_experts_forward(self, hidden_states, top_k_index, top_k_weight
 def add_fp8_expert(experts, out, expert: int, gate_up, down, hidden_states, top_k_index, top_k_weights) -> None:
     """Add expert `expert` (weights `gate_up`, `down`), computed on the tokens routed to it, into the
     fp32 sum `out`. One function for the in-memory forward above and the layer-streaming reference
-    (`beam_hpu.quant.streamed_reference`), which holds one expert's weights at a time."""
+    (`beam_hpu.reference.streamed`), which holds one expert's weights at a time."""
     tokens, slots = (top_k_index == expert).nonzero(as_tuple=True)
     gate_up = F.linear(_round_input(hidden_states[tokens], experts), gate_up.float())
     act = experts._apply_gate(gate_up.to(hidden_states.dtype))

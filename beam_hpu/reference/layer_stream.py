@@ -9,7 +9,7 @@ expert is applied to the tokens routed to it only.
 
 Arithmetic, and where it comes from:
 - attention, norms, router, dense MLP, residual adds: transformers' modules and functions;
-- experts of an FP8 reference stream: `beam_hpu.quant.reference.add_fp8_expert` (the in-memory
+- experts of an FP8 reference stream: `beam_hpu.reference.in_memory.add_fp8_expert` (the in-memory
   reference's own per-expert function, fp32 sum over experts);
 - experts of every other stream: transformers' eager `BeamExperts.forward`, called with a view
   holding one expert, on the tokens routed to it (its sum over experts kept in the model dtype).
@@ -39,12 +39,12 @@ EXPERT_GROUP_BYTES = 512 << 20
 @dataclass(frozen=True)
 class Stream:
     """One forward pass of every passage: the reference itself, or the model its top-1 floor is
-    measured against (the same pair as `beam_hpu.gates.perplexity.live_reference` loads)."""
+    measured against (the same pair as `beam_hpu.reference.live.live_reference` loads)."""
 
     name: str
     dtype: torch.dtype
     fp8_max: float | None  # per-token activation rounding into quantised matmuls; None: none
-    fp8_experts: bool  # experts as beam_hpu.quant.reference computes them; False: transformers' eager
+    fp8_experts: bool  # experts as beam_hpu.reference.in_memory computes them; False: transformers' eager
 
 
 def read_tensors(reader: RangeReader, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:
@@ -134,7 +134,7 @@ class Routed:
     def add(self, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         from transformers.models.beam.modeling_beam import BeamExperts
 
-        from beam_hpu.quant.reference import add_fp8_expert
+        from beam_hpu.reference.in_memory import add_fp8_expert
 
         if self.stream.fp8_experts:
             add_fp8_expert(self.experts, self.out, expert, gate_up, down, self.x, self.index, self.weights)

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from beam_hpu.gates.perplexity import check_scored
 from beam_hpu.loader.checkpoint import CheckpointError, open_checkpoint
-from beam_hpu.quant import layer_stream as ls
-from beam_hpu.quant.reference import FP8_E4M3FN_MAX, linear_input_hook, quantised_modules
+from beam_hpu.reference import layer_stream as ls
+from beam_hpu.reference.file_format import check_scored
+from beam_hpu.reference.in_memory import FP8_E4M3FN_MAX, linear_input_hook, quantised_modules
 
-logger = logging.getLogger("vllm.beam_hpu.quant.reference")
+logger = logging.getLogger("vllm.beam_hpu.reference")
 
 
 @dataclass
@@ -45,8 +45,8 @@ def read_passages(path: str | Path) -> list[Passage]:
 
 
 def text_passages(checkpoint: str | Path, files: list[str]) -> list[Passage]:
-    """One passage per text file, named by its stem, tokenized as `beam_hpu.gates.perplexity.main`
-    tokenizes them (the checkpoint's tokenizer, no special tokens)."""
+    """One passage per text file, named by its stem, tokenized with the checkpoint's tokenizer
+    without special tokens (natural text, scored at every position)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(checkpoint))
@@ -95,7 +95,7 @@ def make_plan(checkpoint_dir: str | Path, passages: list[Passage], dtype: torch.
               fp8_max: float | None = None, exact: bool | None = None) -> Plan:
     """`exact`: the FP8 activation rounding; None = BEAM_EXACT_ROUNDING as set here (the server's
     setting, as the live reference of the perplexity gate reads it)."""
-    from beam_hpu.quant.reference import quantization_config
+    from beam_hpu.reference.in_memory import quantization_config
 
     checkpoint_dir = Path(checkpoint_dir)
     try:
@@ -157,7 +157,7 @@ def _check_passages(passages: list[Passage], config) -> None:
 
 def _check_tensors(plan: Plan, checkpoint_dir: Path, qconfig) -> None:
     """Every tensor the model needs is in the header table with the shape it needs; the FP8
-    config agrees with the tensors (`beam_hpu.quant.reference.quantised_modules`)."""
+    config agrees with the tensors (`beam_hpu.reference.in_memory.quantised_modules`)."""
     model = next(iter(plan.skeletons.values()))
     tensors = plan.checkpoint.tensors
     needed: dict[str, tuple] = {}

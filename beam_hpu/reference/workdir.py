@@ -1,4 +1,4 @@
-"""The resumable state of a layer-streaming reference run (`beam_hpu.quant.streamed_reference`).
+"""The resumable state of a layer-streaming reference run (`beam_hpu.reference.streamed`).
 
 A workdir holds
   run.json                   what the run computes: a fingerprint of the checkpoint's tensor table
@@ -29,7 +29,7 @@ RUN_FILE = "run.json"
 KEEP_LAYER_FILES = 2
 _LAYER_FILE = re.compile(r"^layer-(\d{4})\.safetensors$")
 
-logger = logging.getLogger("vllm.beam_hpu.quant.reference")
+logger = logging.getLogger("vllm.beam_hpu.reference")
 
 
 class WorkdirError(ValueError):

@@ -169,3 +169,14 @@ def dense_fp8_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     combine = combine_weights(local_ids, topk_weights, w13.shape[0])  # [T, E_local]
     x_fp8, x_scale = quantise(x)
     return _experts(x, x_fp8, x_scale, w13, w13_scale, w2, w2_scale, combine, quantise, gemm)
+
+
+def hpu_gathered_moe(layer, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     quantise: Quantiser) -> torch.Tensor:
+    """The port unit beam-moe-gather's call in vllm-gaudi's HPUCompressedTensorsW8A8Fp8MoEMethod.
+    apply_monolithic: the layer's loaded FP8 experts (w13 [E_local, 2I, H], scales [E_local, 2I, 1],
+    as the fused op's per-expert views see them), ids offset by the op's experts_min, the op's
+    own activation quantiser, fp8_gemm_v2. x [T, H]; returns [T, H] in x.dtype."""
+    local_ids = local_ids_from_offset(topk_ids, layer.moe_op.experts_min, layer.w13_weight.shape[0])
+    return gathered_fp8_moe(x, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight, layer.w2_weight_scale,
+                            topk_weights, local_ids, quantise, hpu_fp8_gemm)

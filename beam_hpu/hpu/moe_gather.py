@@ -62,11 +62,11 @@ def hpu_gather_limit(model_type: str | None, static_input_scales: bool, block_qu
                      env: Mapping[str, str] | None = None) -> int:
     """The limit a Gaudi compressed-tensors FP8 MoE layer keeps (port unit beam-moe-gather): the
     switch for a Beam layer with per-channel weights and dynamic per-token activations; 0 (the
-    stock fused op always) for any other model or scheme."""
-    limit = gather_limit(env)
-    if limit and model_type is None:
-        raise ValueError("BEAM_MOE_GATHER: no vLLM config is current where vllm-gaudi processes the FP8 "
-                         "experts, so the served model type is unknown")
+    stock fused op always) for any other model or scheme, and where no vLLM config is current
+    (model type None: the worker always loads inside one; a tool processing weights outside it
+    keeps the stock op, which is right for every model, Beam included, since the switch is on by
+    default and must not refuse another model's load)."""
+    limit = gather_limit(env)  # read (and validated) for every model
     if model_type != MODEL_TYPE or static_input_scales or block_quant:
         return 0
     return limit
@@ -99,7 +99,7 @@ def combine_weights(local_ids: torch.Tensor, topk_weights: torch.Tensor, local_e
     tokens = local_ids.shape[0]
     on_rank = local_ids >= 0
     slot = torch.where(on_rank, local_ids, torch.full_like(local_ids, local_experts))  # [T, k]; E_local = drop
-    weights = torch.where(on_rank, topk_weights.float(), torch.zeros((), dtype=torch.float32))
+    weights = torch.where(on_rank, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32))
     combine = torch.zeros(tokens, local_experts + 1, dtype=torch.float32, device=local_ids.device)
     combine.scatter_add_(1, slot, weights)
     return combine[:, :local_experts]

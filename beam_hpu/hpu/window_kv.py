@@ -13,7 +13,10 @@ whichever group owns b now. So a runner serving it must
 - build slot mappings and block lists per group, from that group's table (`group_slots`,
   `group_decode_tables`, `group_prefill_context`), and let each layer read its group's
   (`layer_groups`);
-- never read or write a null or missing block for a key a query attends (`window_columns_live`).
+- never read or write a null or missing block for a key a query attends (`window_columns_live`);
+- hand vllm-gaudi's defragmenter each shared buffer once (`distinct_kv_caches`): it swaps block
+  contents in every cache it is given, and with prefix caching a swap is an exchange, so a buffer
+  listed twice (once per layer sharing it) is swapped back while the block ids stay remapped.
 
 A sliding group's table keeps the logical column order (freed columns hold the null block), so
 `beam_hpu.hpu.window`'s exact-window functions apply to it unchanged; the functions below only add
@@ -74,6 +77,19 @@ def shared_buffer_layers(group_layer_names: Sequence[Sequence[str]]) -> list[lis
     need 9 K/V buffers, not 52."""
     width = max((len(names) for names in group_layer_names), default=0)
     return [[names[j] for names in group_layer_names if j < len(names)] for j in range(width)]
+
+
+def distinct_kv_caches(kv_caches: Sequence[tuple]) -> list[tuple]:
+    """The runner's per-layer (key, value, ...) caches with each shared buffer kept once (first
+    occurrence, by the key tensor's storage), for code that acts on every buffer once per step
+    (vllm-gaudi's OnlineDefragmenter swaps blocks in each cache it holds)."""
+    seen, out = set(), []
+    for cache in kv_caches:
+        key = cache[0].untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            out.append(cache)
+    return out
 
 
 def window_columns_live(table: Sequence[int], columns: range, null_block: int = NULL_BLOCK_ID) -> None:

@@ -58,6 +58,24 @@ def window_kv_spec(full_spec, sliding_window: int | None):
     )
 
 
+def allocation_windows(layer_windows: Mapping[str, int | None]) -> dict[str, int | None]:
+    """The window each layer's KV is allocated for: the model's sliding window (the most common
+    one) stays; any other window (an EAGLE3 drafter's 4,096-token layer beside Beam's 512) is
+    allocated as full attention (its attention still applies its own window).
+
+    vLLM groups layers by spec into groups the size of the smallest kind: one odd window among
+    Beam's layers makes that kind one layer, so every group is one layer (53 groups, 53 block
+    tables and metadata sets per step) instead of 1 full + 5 sliding."""
+    counts: dict[int, int] = {}
+    for w in layer_windows.values():
+        if w is not None:
+            counts[w] = counts.get(w, 0) + 1
+    if not counts:
+        return dict(layer_windows)
+    main = max(counts, key=lambda w: (counts[w], -w))
+    return {name: (w if w == main else None) for name, w in layer_windows.items()}
+
+
 def layer_groups(group_layer_names: Sequence[Sequence[str]]) -> dict[str, int]:
     """Layer name -> index of its KV-cache group (whose block table and metadata it uses)."""
     groups: dict[str, int] = {}

@@ -104,3 +104,9 @@ def test_sliding_blocks_bound_is_tight(bs, window):
         assert wkv.sliding_blocks_bound(window, bs, t) == worst
         assert wkv.sliding_blocks_bound(window, bs, t) <= -(-(window - 1 + t) // bs) + 1  # vLLM's cap
     assert wkv.sliding_blocks_bound(window, bs, 1) == win.window_block_count(window, bs)
+
+
+def test_allocation_windows_keep_the_main_window_only():
+    windows = {"a": 512, "b": None, "c": 512, "d": 4096}
+    assert wkv.allocation_windows(windows) == {"a": 512, "b": None, "c": 512, "d": None}
+    assert wkv.allocation_windows({"a": None}) == {"a": None}

@@ -314,3 +314,19 @@ def test_reading_another_groups_table_is_caught():
     run = Run(4, 8, num_blocks=NUM_BLOCKS, seed=0, table_of_group=table_of_group)
     with pytest.raises(AssertionError):
         drive(run, 400)
+
+
+def test_a_drafter_window_is_allocated_full_so_groups_stay_six():
+    """An EAGLE3 drafter layer with its own 4,096-token window: as a sliding spec it makes vLLM
+    cut every layer into its own group; allocation_windows keeps Beam's 1 full + 5 sliding."""
+    full = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
+    windows = {**beam_layer_windows(512), "drafter.layers.0.self_attn.attn": 4096}
+    naive = get_kv_cache_groups(vllm_config(), {n: wkv.window_kv_spec(full, w) for n, w in windows.items()})
+    assert len(naive) == NUM_LAYERS + 1 and {len(g.layer_names) for g in naive} == {1}
+    kept = wkv.allocation_windows(windows)
+    assert kept["drafter.layers.0.self_attn.attn"] is None
+    assert {w for n, w in kept.items() if n.startswith("model.")} == {None, 512}
+    groups = get_kv_cache_groups(vllm_config(), {n: wkv.window_kv_spec(full, w) for n, w in kept.items()})
+    kinds = sorted((type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in groups)
+    assert [k for k, _ in kinds].count("SlidingWindowSpec") == 5 and len(groups) == 6
+    assert ("FullAttentionSpec", 10) in kinds  # 9 full layers and the drafter's

@@ -14,6 +14,10 @@ A window-sized cache only holds for the decode steps of sequences past their pre
 prefilling a chunk of c tokens holds ceil((W - 2 + c) / bs) + 1 blocks per sliding group while it
 runs (beam_hpu.hpu.window_kv.sliding_blocks_bound), printed as the prefill reserve.
 
+It also says which decode buckets of the recipe's file a batch can reach without sharing a prefix:
+a window cache changes no bucket's blocks (the full layers' list is the same; the sliding layers'
+window lists are 5 blocks a row either way), only which buckets the pool can fill.
+
 Run: python -m serving.kv_window
 """
 
@@ -126,6 +130,24 @@ def prefill_reserve(sliding_groups: int, chunk: int = MAX_NUM_BATCHED_TOKENS, wi
     return sliding_groups * (during - decode_sliding_blocks(window, block_size))
 
 
+def unreachable_decode_buckets(pool: Pool, decode_buckets: list[tuple[int, int]],
+                               sliding_blocks: int) -> list[tuple[int, int]]:
+    """The (batch, blocks) decode buckets whose batch cannot hold that many full-group blocks at
+    once in `pool` without sharing a prefix: blocks plus every sequence's sliding blocks exceed
+    the usable pool. (The bucket's blocks are the full layers' block list; the sliding layers'
+    window lists, 5 blocks a row, are the same with either cache.)"""
+    return [(b, n) for b, n in decode_buckets
+            if n + b * pool.sliding_groups * sliding_blocks > pool.usable_blocks]
+
+
+def recipe_decode_buckets(bucket_file: str = "tp8-seqs16-256k.txt") -> list[tuple[int, int]]:
+    from serving.lint_buckets import parse_bucket_text
+    from serving.recipe import SERVING_DIR
+
+    buckets, _ = parse_bucket_text((SERVING_DIR / bucket_file).read_text())
+    return sorted({(b.batch, b.blocks) for b in buckets if b.query == 1})
+
+
 def report(pool_tokens: int = RECIPE_POOL_TOKENS) -> str:
     kv_bytes = kv_bytes_per_card(pool_tokens)
     sw = decode_sliding_blocks()
@@ -152,6 +174,13 @@ def report(pool_tokens: int = RECIPE_POOL_TOKENS) -> str:
         reserved = pool.longest_context(MAX_NUM_SEQS, sw, prefill_reserve(pool.sliding_groups))
         lines.append(f"| {pool.name} | {pool.num_blocks:,} | {tokens:,} | {tokens / base:.2f} | {longest:,}"
                      f"{' (all 256K)' if longest >= MAX_MODEL_LEN else ''} | {reserved:,} |")
+    decode = recipe_decode_buckets()
+    lines += ["", f"Decode buckets of the recipe's file (batch, blocks) no batch reaches without a shared prefix:"]
+    for pool in pools(kv_bytes):
+        lines.append(f"  {pool.name}: {unreachable_decode_buckets(pool, decode, sw) or 'none'}")
+    lines.append("  (make_buckets.py leaves out the 128K tier from batch 8 because eight 128K sequences exceed"
+                 " today's pool; under a window cache (8, 8192) and (16, 16384) are reachable, and adding them"
+                 " makes 25 decode graphs, the recipe's max_decode_graphs)")
     return "\n".join(lines)
 
 

@@ -87,6 +87,15 @@ def layer_groups(group_layer_names: Sequence[Sequence[str]]) -> dict[str, int]:
     return groups
 
 
+def per_layer_metadata(group_metadata: Sequence, group_layer_names: Sequence[Sequence[str]]) -> dict:
+    """Layer name -> its group's attention metadata: the dict vLLM's forward context accepts
+    (`get_attention_context` picks `attn_metadata[layer_name]`), so each layer reads the block
+    lists and slot mapping built from its own group's table."""
+    if len(group_metadata) != len(group_layer_names):
+        raise ValueError(f"{len(group_metadata)} metadata for {len(group_layer_names)} KV-cache groups")
+    return {name: group_metadata[gid] for name, gid in layer_groups(group_layer_names).items()}
+
+
 def shared_buffer_layers(group_layer_names: Sequence[Sequence[str]]) -> list[list[str]]:
     """Buffer j -> the layers that share it: the j-th layer of every group that has one.
 

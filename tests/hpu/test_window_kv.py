@@ -110,3 +110,11 @@ def test_allocation_windows_keep_the_main_window_only():
     windows = {"a": 512, "b": None, "c": 512, "d": 4096}
     assert wkv.allocation_windows(windows) == {"a": 512, "b": None, "c": 512, "d": None}
     assert wkv.allocation_windows({"a": None}) == {"a": None}
+
+
+def test_per_layer_metadata_maps_each_layer_to_its_group():
+    groups = [["s0", "s1"], ["f0"]]
+    sliding, full = object(), object()
+    assert wkv.per_layer_metadata([sliding, full], groups) == {"s0": sliding, "s1": sliding, "f0": full}
+    with pytest.raises(ValueError, match="1 metadata for 2"):
+        wkv.per_layer_metadata([full], groups)

@@ -94,10 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     print("Per-step metadata (host side) for B decode rows, tables as wide as the longest context:")
     width = -(-kvw.MAX_MODEL_LEN // bs)
     for batch in (1, 16):
-        one = batch * width * TABLE_ENTRY_BYTES
-        print(f"  B = {batch:2d}: block tables {one:,} B today -> {one * (layout.full_groups + layout.sliding_groups):,}"
-              f" B ({layout.full_groups + layout.sliding_groups} groups); slot mappings and window lists x"
-              f" {layout.full_groups + layout.sliding_groups} (time not modelled)")
+        one, groups = batch * width * TABLE_ENTRY_BYTES, layout.full_groups + layout.sliding_groups
+        print(f"  B = {batch:2d}: block tables {one:,} B today -> {one * groups:,} B ({groups} groups); slot mappings"
+              f" and window lists x {groups} (time not modelled)")
     print()
     print("Batch that fits at this context, and the KV it reads per step:")
     for name in ("bf16 full", "bf16 window"):

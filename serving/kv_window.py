@@ -154,8 +154,9 @@ def report(pool_tokens: int = RECIPE_POOL_TOKENS) -> str:
     lines = [
         "# Inputs",
         f"measured full-context pool: {pool_tokens:,} tokens = {pool_tokens // BLOCK_SIZE:,} blocks of {BLOCK_SIZE}",
-        f"layers {NUM_LAYERS} ({NUM_FULL_LAYERS} full, {NUM_LAYERS - NUM_FULL_LAYERS} sliding, window {SLIDING_WINDOW}),"
-        f" {KV_HEADS_PER_CARD} KV head x {HEAD_DIM} per card, bf16 2 B / FP8 1 B per element, no FP8 scales",
+        f"layers {NUM_LAYERS} ({NUM_FULL_LAYERS} full, {NUM_LAYERS - NUM_FULL_LAYERS} sliding,"
+        f" window {SLIDING_WINDOW}), {KV_HEADS_PER_CARD} KV head x {HEAD_DIM} per card,"
+        " bf16 2 B / FP8 1 B per element, no FP8 scales",
         f"page (one layer, one block, K+V): bf16 {page_bytes(2):,} B, FP8 {page_bytes(1):,} B;"
         f" KV bytes per card {kv_bytes:,} ({kv_bytes / 2**30:.2f} GiB), the same in every layout",
         f"window layout (vLLM's grouping): {hybrid_layout(NUM_FULL_LAYERS, NUM_LAYERS - NUM_FULL_LAYERS)}",
@@ -175,7 +176,7 @@ def report(pool_tokens: int = RECIPE_POOL_TOKENS) -> str:
         lines.append(f"| {pool.name} | {pool.num_blocks:,} | {tokens:,} | {tokens / base:.2f} | {longest:,}"
                      f"{' (all 256K)' if longest >= MAX_MODEL_LEN else ''} | {reserved:,} |")
     decode = recipe_decode_buckets()
-    lines += ["", f"Decode buckets of the recipe's file (batch, blocks) no batch reaches without a shared prefix:"]
+    lines += ["", "Decode buckets of the recipe's file (batch, blocks) no batch reaches without a shared prefix:"]
     for pool in pools(kv_bytes):
         lines.append(f"  {pool.name}: {unreachable_decode_buckets(pool, decode, sw) or 'none'}")
     lines.append("  (make_buckets.py leaves out the 128K tier from batch 8 because eight 128K sequences exceed"

@@ -20,7 +20,6 @@ that without the port it does not (vllm-gaudi's block-granular window reads too 
 """
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from types import SimpleNamespace

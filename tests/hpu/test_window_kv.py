@@ -17,7 +17,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from beam_hpu.hpu import window as win
 from beam_hpu.hpu import window_kv as wkv

@@ -11,7 +11,7 @@ decode batch), in the same order on both servers.
 import httpx
 import pytest
 
-from beam_hpu.cli import write_checkpoint
+from beam_hpu.demo.serve import write_checkpoint
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,8 @@
 """How many of a profile's units still apply on other commits of a package, and where the refused
 anchors went: the fix engine's own planner on trees taken from a git history.
 
-    python3 benchmarks/anchor_drift.py --git-dir /work/.mirror/vllm-project+vllm-gaudi/repo \\
+    git clone --bare https://github.com/vllm-project/vllm-gaudi vllm-gaudi.git   # the history, once
+    python3 benchmarks/anchor_drift.py --git-dir vllm-gaudi.git \\
         --from 091bbadd --first-parent-back 0,10,20,40,80
     python3 benchmarks/anchor_drift.py --git-dir DIR COMMIT [COMMIT ...] [--full]
 
@@ -77,8 +78,8 @@ def plan_commit(git_dir: str, commit: str, units, package: str, full: bool) -> l
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--git-dir", required=True,
-                        help="a git dir of the package's repository (bare is fine), e.g. "
-                        "/work/.mirror/vllm-project+vllm-gaudi/repo")
+                        help="a git dir of the package's repository (bare is fine), e.g. one made by "
+                        "`git clone --bare https://github.com/vllm-project/vllm-gaudi vllm-gaudi.git`")
     parser.add_argument("commits", nargs="*", help="commits to plan against")
     parser.add_argument("--from", dest="start", help="the commit --first-parent-back counts from")
     parser.add_argument("--first-parent-back", metavar="N,N,...",

@@ -20,7 +20,7 @@ checkpoint and, from the same shapes, for the whole 52-layer model). The default
 + 3 MoE layers, keeps that ceiling near the real model's (3 dense + 49 MoE layers): a dense layer's
 row-parallel down_proj is read across its TP gaps and weighs far more in a 1 + 1 mix than in the model.
 
-  python benchmarks/loader_ep8.py [--dir /tmp/beam-loader-bench] [--dense-layers 1] [--moe-layers 3]
+  python benchmarks/loader_ep8.py [--dir DIR (default: TMPDIR/beam-loader-bench)] [--dense-layers 1] [--moe-layers 3]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -250,7 +251,7 @@ def warm_up(directory: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/beam-loader-bench"))
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "beam-loader-bench")
     ap.add_argument("--dense-layers", type=int, default=1)
     ap.add_argument("--moe-layers", type=int, default=3)
     ap.add_argument("--ranks", type=int, default=8)

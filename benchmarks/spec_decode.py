@@ -235,7 +235,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="float32 (default): a verify step of k+1 rows costs about what a decode step costs, as "
                          "on Gaudi; bfloat16: on a CPU without AVX512-BF16 torch's bf16 matmul costs grow with "
-                         "the rows, which taxes verification (the README's table gives both)")
+                         "the rows, which taxes verification (benchmarks/README.md gives both)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     configs = [("none", None)] + (args.spec or [("ngram", NGRAM)])

@@ -33,6 +33,10 @@ export BEAM_PREFILL_INFLIGHT=1
 export BEAM_FSDPA_WS_GIB=2
 export BEAM_FSDPA_Q_TILE=256
 export BEAM_GRAMMAR_DEVICE_MASK=1
+# Batch-1 decode reads only the 8 routed experts of the card's 32 (port patch beam-moe-gather);
+# benchmarks/decode_model.py models 35-64 tok/s against 29 if the step is bandwidth-bound (a model,
+# not a measurement: the Verified figures ran without it; BEAM_MOE_GATHER=0 is the stock op).
+export BEAM_MOE_GATHER=1
 # serving/launch-speculative.sh serves with its own bucket file (recipe.yaml speculative.env).
 if [ -n "${VARIANT_BUCKETING_FROM_FILE:-}" ]; then VLLM_BUCKETING_FROM_FILE=$VARIANT_BUCKETING_FROM_FILE; fi
 

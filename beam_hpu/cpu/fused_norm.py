@@ -4,7 +4,7 @@ Why: vLLM 0.30.0 builds `torch.ops._C.rms_norm` / `fused_add_rms_norm` for CPU b
 only for GPU-like platforms (vllm/kernels/vllm_c.py), so on CPU every RMSNorm runs as ~9 native
 torch ops where the kernel is one. Beam has more norms per decode step than a same-shape
 Qwen3-MoE (sandwich norms), so native norms were most of its per-step gap on CPU
-(`benchmarks/decode_vs_qwen3moe.py`; figures in the README).
+(`benchmarks/decode_vs_qwen3moe.py`; figures in benchmarks/README.md).
 
 How: `beam_rms_norm` returns this subclass on CPU and vLLM's own RMSNorm elsewhere: on Gaudi,
 vllm-gaudi replaces `RMSNorm` by name (CustomOp out-of-tree registry), which a subclass would

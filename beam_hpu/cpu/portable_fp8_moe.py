@@ -26,19 +26,28 @@ Where each path is chosen, and why:
 
 Expert parallel: `layer.expert_map` maps global expert ids to this rank's local ids (-1 for
 experts held elsewhere); the method computes only local experts and the MoE runner sums ranks.
+
+Switch BEAM_MOE_GATHER (read once per layer at load): a step of at most that many tokens goes
+through beam_hpu.hpu.moe_gather.gathered_fp8_moe, the function the Gaudi port unit beam-moe-gather
+calls, so a served CPU engine runs it; larger steps (and 0) take `fp8_experts_forward`. Both
+compute the same arithmetic (tests/hpu/test_moe_gather.py), so greedy outputs do not change
+(tests/e2e/test_moe_gather_serve.py). The first gathered call for each token count logs a line.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping
 
 import torch
 
+from beam_hpu.hpu import moe_gather
 from beam_hpu.model.ops import swiglu_fp32
 from beam_hpu.quant.rounding import FP8_E4M3FN_MAX, per_token_fp8
 from beam_hpu.settings import switches
 
+logger = logging.getLogger("vllm.beam_hpu.cpu")
 
 def activation_quantiser(env: Mapping[str, str] | None = None):
     """x -> (e4m3fn, fp32 scale [T, 1]) per token, in the rounding switch BEAM_EXACT_ROUNDING names
@@ -97,6 +106,8 @@ def _method_class():
             super().__init__(weight_quant, input_quant, moe, layer_name)
             # Read once per layer at load: an engine's environment does not change while it runs.
             self.quant_per_token = activation_quantiser()
+            self.gather_limit = moe_gather.gather_limit()
+            self.gathered_sizes_logged: set[int] = set()
 
         @property
         def is_monolithic(self) -> bool:
@@ -119,9 +130,22 @@ def _method_class():
         def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
             if shared_experts is not None:
                 raise NotImplementedError("PortableFp8MoEMethod: shared experts are not supported")
+            if moe_gather.takes_gathered_path(x.shape[0], self.gather_limit):
+                return self._gathered(layer, x, topk_weights, topk_ids)
             return fp8_experts_forward(x, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight,
                                        layer.w2_weight_scale, topk_weights, topk_ids, layer.expert_map,
                                        self.quant_per_token)
+
+        def _gathered(self, layer, x, topk_weights, topk_ids):
+            local_ids = moe_gather.local_ids_from_map(topk_ids, layer.expert_map)  # [T, k]
+            if x.shape[0] not in self.gathered_sizes_logged:
+                self.gathered_sizes_logged.add(x.shape[0])
+                count = moe_gather.gathered_count(x.shape[0], local_ids.shape[-1], layer.w13_weight.shape[0])
+                logger.info("portable FP8 experts %s: gathered path for %d tokens (%d of %d local experts, "
+                            "BEAM_MOE_GATHER=%d)", getattr(layer, "layer_name", "?"), x.shape[0], count,
+                            layer.w13_weight.shape[0], self.gather_limit)
+            return moe_gather.gathered_fp8_moe(x, layer.w13_weight, layer.w13_weight_scale, layer.w2_weight,
+                                               layer.w2_weight_scale, topk_weights, local_ids, self.quant_per_token)
 
         @property
         def supports_eplb(self) -> bool:

@@ -47,7 +47,7 @@ class Profile:
     ppl_topk: int = 20
     # Precision of a live reference: the one the server computes in (the recipe serves bf16). A
     # reference at another precision would gate bf16 rounding, not the serving path: on the tiny
-    # model precision alone moves perplexity by about the bar (README, "Gate calibration").
+    # model precision alone moves perplexity by about the bar (beam_hpu/gates/README.md, "Calibration").
     # `gates.run --reference-dtype` overrides it for a server of another precision.
     reference_dtype: str = "bfloat16"
     ppl_rel_gate: float = 0.01
@@ -100,13 +100,13 @@ def _tiny_pieces() -> tuple[str, ...]:
 # CPU perplexity passages start at the recipe's shortest (257 tokens) and stay within the tiny model's
 # training length (560); they are scored where the model was trained to predict (perplexity.py).
 # Tool conversations are where a broken window or routing shows on the scored positions; the copy
-# passages barely move for either (README, "Gate calibration").
+# passages barely move for either (beam_hpu/gates/README.md, "Calibration").
 
 
 # Stricter than the recipe's 0.02: on the tiny model's scored positions a sliding window one token
 # too long shows in KL but not in perplexity, and 0.02 would let it through; the bar sits between
-# the noise floor (benchmarks/fp8_perplexity_noise_floor.py) and that window (README, "Gate
-# calibration", and tests/gates/test_gates_served.py).
+# the noise floor (benchmarks/fp8_perplexity_noise_floor.py) and that window (beam_hpu/gates/README.md,
+# "Calibration", and tests/gates/test_gates_served.py).
 CPU_KL_GATE = 0.003
 
 # The CPU profile judges a float32 server against a float32 reference. In bf16 the served kernels

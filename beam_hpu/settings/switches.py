@@ -79,6 +79,16 @@ def parse_q_tile(name: str, text: str) -> int:
     return value
 
 
+def parse_token_limit(name: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise SwitchError(f"{name}={text!r}: expected a whole number of tokens (0 = off), e.g. 1") from None
+    if value < 0:
+        raise SwitchError(f"{name}={text!r}: expected 0 (off) or a positive number of tokens, e.g. 1")
+    return value
+
+
 def _switches(*switches: Switch) -> dict[str, Switch]:
     return {s.name: s for s in switches}
 
@@ -164,6 +174,25 @@ SWITCHES: dict[str, Switch] = _switches(
         "the logits to the host, applies xgrammar's CPU kernel and copies them back, a "
         "device-to-host sync on every structured step; with "
         "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT=1 every step with a chat request is one.",
+    ),
+    Switch(
+        "BEAM_MOE_GATHER",
+        "1",
+        parse_token_limit,
+        "The largest token count of a step whose routed FP8 experts take the gathered path "
+        "(beam_hpu.hpu.moe_gather); 0 = off. A step of T <= BEAM_MOE_GATHER tokens computes only "
+        "G = min(local experts, T x top-k) of the rank's experts, the ones the step routes to "
+        "(ascending ids, padded with unrouted ones that contribute exactly 0), from their FP8 "
+        "weights and per-channel scales, with the dense path's arithmetic: per-token FP8 "
+        "activations in the rounding BEAM_EXACT_ROUNDING names, SwiGLU, weighted sum in fp32. "
+        "On HPU, for model type beam, through the port patch beam-moe-gather "
+        "(HPUCompressedTensorsW8A8Fp8MoEMethod.apply_monolithic; read once per layer at load): "
+        "larger steps, and other models, call vllm-gaudi's fused mixture_of_experts op; T is the "
+        "bucketed token count, so each decode graph takes one path and none is added. On CPU the "
+        "portable FP8 experts read it the same way. The recipe's 1: batch-1 decode reads 8 of "
+        "the card's 32 experts per MoE layer; at 2 or more tokens the gathered experts' copy "
+        "costs more than it saves unless the graph compiler fuses the gather "
+        "(benchmarks/decode_model.py, a model, not a measurement).",
     ),
     Switch(
         "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT",

@@ -46,7 +46,7 @@ class DrafterShape:
 
 
 # 4: on copy at 1 stream (fp32, benchmarks/spec_decode.py) k = 3, 4, 5 were measured in one run;
-# 4 was fastest (the README gives the figures).
+# 4 was fastest (benchmarks/README.md, spec_decode, gives the figures).
 SERVED_SPECULATIVE_TOKENS = 4
 
 

@@ -28,7 +28,7 @@ from fixes.profile import load_profile
 
 PORT_PROFILE = os.environ.get("GAUDI_PORT_PROFILE", "port-beam-1-0-public-main")
 PORT_UNITS = ["beam-exact-window", "beam-grammar-device-mask", "beam-fsdpa-tiles", "beam-grammar-verify",
-              "beam-eagle-draft-end", "beam-sampled-verify", "beam-exact-rounding"]
+              "beam-eagle-draft-end", "beam-sampled-verify", "beam-exact-rounding", "beam-moe-gather"]
 RUNNER_CLS = "HPUModelRunner"
 PROCESSOR_CLS = "HPUAttentionMetadataProcessor"
 
@@ -184,13 +184,16 @@ def test_other_models_keep_their_decode_window(tree):
 
 # ---------------------------------------------------------------- prefill with context
 
-def prefill_attended(tree, ctx_lens, query_lens, window, block_size, seq_len):
+def prefill_attended(tree, ctx_lens, query_lens, window, block_size, seq_len, context_blocks=None):
     """Run the patched _form_prefill_batch window statements and _set_attn_bias_for_sliding_window
-    for a batch with cached context: per sequence, per real query row, the positions attended."""
+    for a batch with cached context: per sequence, per real query row, the positions attended.
+    `context_blocks` (default: distinct ids) may hold a window-sized cache's null block in the
+    columns the window has left."""
     runner = SimpleNamespace(interleaved_sliding_window=True, sliding_window=window, attn_block_size=block_size,
                              _get_model_type=lambda: "beam")
-    context_blocks = [list(range(100 * (b + 1), 100 * (b + 1) + math.ceil(c / block_size)))
-                      for b, c in enumerate(ctx_lens)]
+    if context_blocks is None:
+        context_blocks = [list(range(100 * (b + 1), 100 * (b + 1) + math.ceil(c / block_size)))
+                          for b, c in enumerate(ctx_lens)]
     names = {"self": runner, "context_blocks": context_blocks, "context_lens": list(ctx_lens)}
     trim = method_body_if(tree.runner, "_form_prefill_batch", RUNNER_CLS,
                           "self.interleaved_sliding_window and self._get_model_type() == 'beam'")
@@ -217,7 +220,7 @@ def prefill_attended(tree, ctx_lens, query_lens, window, block_size, seq_len):
     per_seq = window_list.view(len(ctx_lens), -1)
     out = []
     for b, (ctx, q) in enumerate(zip(ctx_lens, query_lens)):
-        col_of = {bid: col for col, bid in enumerate(context_blocks[b])}
+        col_of = {bid: col for col, bid in enumerate(context_blocks[b]) if bid != 0}  # 0: a freed column
         key_pos = [col_of[bid] * block_size + s if bid in col_of else None
                    for bid in per_seq[b].tolist() for s in range(block_size)] + [ctx + i for i in range(seq_len)]
         out.append([{key_pos[k] for k in range(len(key_pos)) if bias[b, 0, i, k] == 0} for i in range(q)])

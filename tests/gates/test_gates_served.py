@@ -104,7 +104,7 @@ def test_full_layers_given_a_window_fail_copy_and_needles(tmp_path):
 @pytest.mark.parametrize("delta", [+1, -1])
 def test_window_off_by_one_fails_the_perplexity_gate(tmp_path, delta):
     """One too long shows only in KL on a tool conversation (0.0058 vs the CPU bar 0.003, measured in
-    bf16; see the README's calibration table for float32); one too short moves that conversation's
+    bf16; see beam_hpu/gates/README.md, "Calibration", for float32); one too short moves that conversation's
     perplexity by 12.5% (measured on transformers' Beam)."""
     broken = _copy(tmp_path, f"window{delta:+d}")
     cfg = json.loads((broken / "config.json").read_text())

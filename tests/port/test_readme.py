@@ -14,7 +14,8 @@ from serving.recipe import parse_launch_block
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "ports/beam-1-0/README.md"
-RECIPE_TEXT = Path("/work/shared/seeds/gaudi-recipe-beam-fp8.txt")
+# The published recipe, from the shared folder beside this clone (../shared), where there is one.
+RECIPE_TEXT = REPO.parent / "shared" / "seeds" / "gaudi-recipe-beam-fp8.txt"
 
 
 def gen_readme():

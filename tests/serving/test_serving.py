@@ -215,9 +215,16 @@ def test_launch_script_and_recipe_yaml_agree():
     assert LAUNCH_BLOCK.model == "$MODEL" and LAUNCH_BLOCK.extra_args == ['"$@"']
 
 
+# Switches the port's launch block carries that the published recipe text does not yet: its
+# Verified and Performance figures ran without them, so the text gains them with a card run.
+NOT_YET_PUBLISHED = {"BEAM_MOE_GATHER": "1"}  # issue 24: a model's gain, not yet measured
+
+
 def test_published_recipe_agrees_with_both():
     seed = published_recipe()
-    assert seed.env == RECIPE["env"] == LAUNCH_BLOCK.env
+    assert RECIPE["env"] == LAUNCH_BLOCK.env
+    assert {**seed.env, **NOT_YET_PUBLISHED} == RECIPE["env"]
+    assert not set(NOT_YET_PUBLISHED) & set(seed.env), "published now: drop it from NOT_YET_PUBLISHED"
     assert seed.flags == recipe_flags(RECIPE) == LAUNCH_BLOCK.flags
     assert seed.model == RECIPE["model"]
     assert seed.fix_profile == RECIPE["fix_profile"] == LAUNCH_BLOCK.fix_profile

@@ -94,3 +94,13 @@ def test_the_reader_finder_sees_the_forms_readers_take():
                                    "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT", "VLLM_BEAM_STREAM_TOOL_ARGS"}
     # Through a port edit's import and a same-module call (tiled_fsdpa_op -> fsdpa_tile_switches).
     assert hpu_readers()["BEAM_FSDPA_Q_TILE"] == ["beam_hpu.hpu.prefill_attention:fsdpa_tile_switches"]
+
+
+def test_moe_gather_is_read_on_hpu_only_through_its_port_unit():
+    # BEAM_MOE_GATHER: the CPU portable experts read it too, but on HPU only beam-moe-gather's
+    # edit (hpu_gather_limit -> gather_limit) does; without the unit the recipe's 1 would act on nothing.
+    assert hpu_readers()["BEAM_MOE_GATHER"] == ["beam_hpu.hpu.moe_gather:gather_limit"]
+    without = hpu_readers([p for p in port_units() if p.stem != "beam-moe-gather"])
+    assert "BEAM_MOE_GATHER" not in without
+    assert "beam_hpu/cpu/portable_fp8_moe.py" not in code_readers()["BEAM_MOE_GATHER"]  # via moe_gather
+    assert "beam_hpu/hpu/moe_gather.py" in code_readers()["BEAM_MOE_GATHER"]

@@ -1,0 +1,224 @@
+"""A window-sized KV cache for Beam's sliding layers: the rules a runner needs over vLLM's hybrid
+KV-cache groups, as plain functions.
+
+vLLM's KV-cache manager, given a `SlidingWindowSpec` for each sliding layer, splits Beam's 52
+attention layers into groups of equal size (9 full layers; 43 sliding layers in 5 groups of 9,
+the last padded), gives each group its own block table per request, and frees a sliding group's
+blocks once the window has left them, putting its null block (id 0) in their table columns.
+All groups share one pool of block ids: block b of buffer j is the K/V of the j-th layer of
+whichever group owns b now. So a runner serving it must
+
+- allocate one K/V buffer per group position j, shared by the j-th layer of every group
+  (`shared_buffer_layers`);
+- build slot mappings and block lists per group, from that group's table (`group_slots`,
+  `group_decode_tables`, `group_prefill_context`), and let each layer read its group's
+  (`layer_groups`);
+- never read or write a null or missing block for a key a query attends (`window_columns_live`);
+- hand vllm-gaudi's defragmenter each shared buffer once (`distinct_kv_caches`): it swaps block
+  contents in every cache it is given, and with prefix caching a swap is an exchange, so a buffer
+  listed twice (once per layer sharing it) is swapped back while the block ids stay remapped.
+
+A sliding group's table keeps the logical column order (freed columns hold the null block), so
+`beam_hpu.hpu.window`'s exact-window functions apply to it unchanged; the functions below only add
+the per-group bookkeeping and the checks. Nothing here imports vLLM except `window_kv_spec`, which
+builds vLLM's spec object.
+
+Positions and columns are 0-based; column c of a table holds positions c*bs .. c*bs+bs-1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from beam_hpu.hpu.window import (
+    _check_geometry,
+    decode_window_blocks,
+    decode_window_tables,
+    prefill_window_context,
+    prefill_window_context_blocks,
+)
+
+# vLLM's BlockPool holds block 0 back as its null block: what freed sliding columns point at.
+NULL_BLOCK_ID = 0
+
+
+def window_kv_spec(full_spec, sliding_window: int | None):
+    """The spec a layer gets under a window-sized cache: vLLM's `SlidingWindowSpec` with the
+    `FullAttentionSpec`'s geometry for a sliding layer, the full spec unchanged otherwise."""
+    if sliding_window is None:
+        return full_spec
+    _check_geometry(sliding_window, full_spec.block_size)
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(
+        block_size=full_spec.block_size, num_kv_heads=full_spec.num_kv_heads, head_size=full_spec.head_size,
+        dtype=full_spec.dtype, head_size_v=full_spec.head_size_v, kv_quant_mode=full_spec.kv_quant_mode,
+        sliding_window=sliding_window,
+    )
+
+
+def allocation_windows(layer_windows: Mapping[str, int | None]) -> dict[str, int | None]:
+    """The window each layer's KV is allocated for: the model's sliding window (the most common
+    one) stays; any other window (an EAGLE3 drafter's 4,096-token layer beside Beam's 512) is
+    allocated as full attention (its attention still applies its own window).
+
+    vLLM groups layers by spec into groups the size of the smallest kind: one odd window among
+    Beam's layers makes that kind one layer, so every group is one layer (53 groups, 53 block
+    tables and metadata sets per step) instead of 1 full + 5 sliding."""
+    counts: dict[int, int] = {}
+    for w in layer_windows.values():
+        if w is not None:
+            counts[w] = counts.get(w, 0) + 1
+    if not counts:
+        return dict(layer_windows)
+    main = max(counts, key=lambda w: (counts[w], -w))
+    return {name: (w if w == main else None) for name, w in layer_windows.items()}
+
+
+def layer_groups(group_layer_names: Sequence[Sequence[str]]) -> dict[str, int]:
+    """Layer name -> index of its KV-cache group (whose block table and metadata it uses)."""
+    groups: dict[str, int] = {}
+    for gid, names in enumerate(group_layer_names):
+        for name in names:
+            if name in groups:
+                raise ValueError(f"layer {name} is in KV-cache groups {groups[name]} and {gid}")
+            groups[name] = gid
+    return groups
+
+
+def per_layer_metadata(group_metadata: Sequence, group_layer_names: Sequence[Sequence[str]]) -> dict:
+    """Layer name -> its group's attention metadata: the dict vLLM's forward context accepts
+    (`get_attention_context` picks `attn_metadata[layer_name]`), so each layer reads the block
+    lists and slot mapping built from its own group's table."""
+    if len(group_metadata) != len(group_layer_names):
+        raise ValueError(f"{len(group_metadata)} metadata for {len(group_layer_names)} KV-cache groups")
+    return {name: group_metadata[gid] for name, gid in layer_groups(group_layer_names).items()}
+
+
+def shared_buffer_layers(group_layer_names: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Buffer j -> the layers that share it: the j-th layer of every group that has one.
+
+    vLLM lays groups over each other from byte 0 (a block id belongs to one group at a time), so
+    the number of buffers is the largest group's size, not the number of layers: Beam's 52 layers
+    need 9 K/V buffers, not 52."""
+    width = max((len(names) for names in group_layer_names), default=0)
+    return [[names[j] for names in group_layer_names if j < len(names)] for j in range(width)]
+
+
+def distinct_kv_caches(kv_caches: Sequence[tuple]) -> list[tuple]:
+    """The runner's per-layer (key, value, ...) caches with each shared buffer kept once (first
+    occurrence, by the key tensor's storage), for code that acts on every buffer once per step
+    (vllm-gaudi's OnlineDefragmenter swaps blocks in each cache it holds)."""
+    seen, out = set(), []
+    for cache in kv_caches:
+        key = cache[0].untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            out.append(cache)
+    return out
+
+
+def window_columns_live(table: Sequence[int], columns: range, null_block: int = NULL_BLOCK_ID) -> None:
+    """Raise unless every column in `columns` exists in `table` and holds a real block."""
+    if columns.start < 0 or columns.stop > len(table):
+        raise ValueError(f"columns {columns.start}..{columns.stop - 1} outside a table of {len(table)} blocks")
+    dead = [c for c in columns if table[c] == null_block]
+    if dead:
+        raise ValueError(f"columns {dead} hold the null block but the window reaches them")
+
+
+def group_slots(table: Sequence[int], positions: Sequence[int], block_size: int,
+                null_block: int = NULL_BLOCK_ID) -> list[int]:
+    """Slots (block_id * block_size + offset) where the keys at `positions` are written in a
+    group whose table is `table`. A position whose column is missing or freed is an error: a
+    write there would land in the null block or in another request's block."""
+    _check_geometry(1, block_size)
+    slots = []
+    for pos in positions:
+        col = pos // block_size
+        window_columns_live(table, range(col, col + 1), null_block)
+        slots.append(table[col] * block_size + pos % block_size)
+    return slots
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    """What the runner needs to know about one KV-cache group: its window (None = full)."""
+
+    sliding_window: int | None
+
+
+def group_decode_tables(
+    tables: Sequence[Sequence[int]], positions: Sequence[int], geometry: GroupGeometry, block_size: int,
+    null_block: int = NULL_BLOCK_ID,
+) -> tuple[list[list[int]], list[int]]:
+    """One group's decode block tables and first in-window slots, for queries at `positions`.
+
+    `tables[b]` is request b's table in this group (at least through the block of its query).
+    A full group reads every block through the query's; a sliding group reads its exact window
+    (`window.decode_window_tables`), which must hold only live blocks. A negative position is a
+    padding row: empty table. Returns (tables, starts) in the swa-decode-window representation.
+    """
+    out_tables, starts = [], []
+    for table, pos in zip(tables, positions):
+        if pos < 0:
+            out_tables.append([])
+            starts.append(0)
+            continue
+        last = pos // block_size
+        if geometry.sliding_window is None:
+            window_columns_live(table, range(0, last + 1), null_block)
+            out_tables.append(list(table[:last + 1]))
+            starts.append(0)
+            continue
+        window_columns_live(table, decode_window_blocks(pos, geometry.sliding_window, block_size), null_block)
+        through = list(table[:last + 1])
+        (window_table,), (start,) = decode_window_tables(
+            [through], [[through[-1] * block_size + pos % block_size]], geometry.sliding_window, block_size)
+        out_tables.append(window_table)
+        starts.append(start)
+    return out_tables, starts
+
+
+def group_prefill_context(
+    tables: Sequence[Sequence[int]], ctx_lens: Sequence[int], geometry: GroupGeometry, block_size: int,
+    null_block: int = NULL_BLOCK_ID,
+) -> list[list[int]]:
+    """One group's context blocks for prefill chunks starting at `ctx_lens`: the whole context
+    for a full group, the window-trimmed context (`window.prefill_window_context`) for a sliding
+    group; every block returned must be live."""
+    out = []
+    for table, ctx in zip(tables, ctx_lens):
+        n_ctx_blocks = -(-int(ctx) // block_size)
+        if geometry.sliding_window is None:
+            columns = range(0, n_ctx_blocks)
+        else:
+            columns = prefill_window_context_blocks(int(ctx), geometry.sliding_window, block_size)
+        window_columns_live(table, columns, null_block)
+        if geometry.sliding_window is None:
+            out.append(list(table[:n_ctx_blocks]))
+        else:
+            (trimmed,), _ = prefill_window_context([list(table[:n_ctx_blocks])], [int(ctx)],
+                                                   geometry.sliding_window, block_size)
+            out.append(trimmed)
+    return out
+
+
+def sliding_blocks_bound(window: int, block_size: int, tokens_in_flight: int) -> int:
+    """The most blocks one request holds in a sliding group while `tokens_in_flight` of its
+    tokens are scheduled and not yet computed (with async scheduling: including the step whose
+    frees lag). The manager keeps the window behind the first of them (W - 1 keys) and the
+    in-flight tokens themselves: W - 2 + t consecutive positions after the first, which touch at
+    most ceil((W - 2 + t) / bs) + 1 blocks. One decode token gives `window.window_block_count`;
+    vLLM's admission cap (`SlidingWindowSpec.max_admission_blocks_per_request`,
+    ceil((W - 1 + t) / bs) + 1) is never below it."""
+    _check_geometry(window, block_size)
+    if tokens_in_flight < 1:
+        raise ValueError(f"at least one token is in flight, got {tokens_in_flight}")
+    return -(-(window - 2 + tokens_in_flight) // block_size) + 1
+
+
+def sliding_group_windows(group_specs: Mapping[int, int | None]) -> dict[int, GroupGeometry]:
+    """Group index -> its geometry, from each group's sliding window (None = full attention)."""
+    return {gid: GroupGeometry(window) for gid, window in group_specs.items()}

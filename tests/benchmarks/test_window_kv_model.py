@@ -1,0 +1,44 @@
+"""benchmarks/window_kv_model.py: its counts against the definitions (a model, so no timing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "window_kv_model", Path(__file__).resolve().parents[2] / "benchmarks" / "window_kv_model.py")
+wm = sys.modules.setdefault("window_kv_model", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(wm)
+
+
+def oracle_blocks(pos: int, window: int | None, bs: int) -> int:
+    """Blocks holding the keys a decode query at `pos` attends (window None = every key)."""
+    lo = 0 if window is None else max(0, pos - window + 1)
+    return pos // bs - lo // bs + 1
+
+
+def test_per_row_blocks_are_the_windows():
+    for ctx in (0, 1, 127, 128, 511, 512, 513, 4095, 262_143):
+        rows = wm.per_row_kv_blocks(ctx, 512, 128)
+        assert rows["full layer"] == oracle_blocks(ctx, None, 128)
+        # The worst alignment needs 5 blocks; the window-sized cache gathers the same list as the
+        # port's exact window, which always holds the window's keys.
+        exact = rows["sliding layer, beam-exact-window (full-context cache)"]
+        assert rows["sliding layer, window-sized cache"] == exact
+        assert rows["sliding layer, window-sized cache"] >= oracle_blocks(ctx, 512, 128)
+        assert rows["sliding layer, stock vllm-gaudi"] == min(4, ctx // 128 + 1)
+
+
+def test_step_kv_bytes_count_whole_blocks():
+    # One row at 256K: 9 full layers x 2,048 blocks + 43 sliding x 5, bf16 pages of 64 KiB.
+    assert wm.step_kv_bytes(1, 262_143, 512, 128, 9, 43) == (9 * 2048 + 43 * 5) * 65_536
+    assert wm.step_kv_bytes(16, 262_143, 512, 128, 9, 43) == 16 * wm.step_kv_bytes(1, 262_143, 512, 128, 9, 43)
+
+
+def test_report_names_batches_and_the_card_measurement(capsys):
+    assert wm.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("MODEL, not a measurement.")
+    assert "-> batch  2;" in out and "-> batch 16;" in out
+    assert "Confirm on a card" in out

@@ -55,3 +55,23 @@ def test_the_table_prints_its_inputs_and_the_unknown_one(capsys):
     for text in ("a model", "unknown here: F", "VLLM_GRAPH_RESERVED_MEM 0.4", "--gpu-memory-utilization 0.90",
                  "bf16 (auto) | 26,624", "fp8 (fp8_inc) | 13,312", "776,448 tokens (6,066 blocks): inside"):
         assert text in out, text
+
+
+def test_kv_capacity_and_kv_window_agree_on_the_full_caches():
+    """serving/kv_window.py (issue 26) re-cuts the bytes of the measured 6,066-block pool; this module
+    derives the pool from the memory split. At an F that gives 6,066 bf16 blocks both agree on the
+    bf16 pool; on FP8's this module finds 1 to 3 blocks more: the FP8 dummy block is half the bf16 one
+    (+1), and the bytes left under one bf16 block are up to two FP8 blocks (kv_window drops them). FP8 KV here
+    has static per-layer scales only: no per-token scale bytes (kv_window's scale_bytes 0 is right)."""
+    from serving import kv_window as kw
+
+    specs = kc.layer_specs(kc.BEAM_501B_TP8, 128, torch.bfloat16)
+    lo, hi = kc.free_for_blocks(specs, 6066, kc.MemoryFigures(0.0))
+    window = {p.name: p.num_blocks for p in kw.pools(kw.kv_bytes_per_card())}
+    for f in (lo + 1, hi - 1):
+        ours = {d: kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, dtype)["blocks"]
+                for d, dtype in (("bf16", torch.bfloat16), ("FP8", torch.float8_e4m3fn))}
+        assert ours["bf16"] == window["bf16 full"] == 6066
+        assert window["FP8 full"] + 1 <= ours["FP8"] <= window["FP8 full"] + 3
+    assert kc.kv_bytes_per_token(kc.layer_specs(kc.BEAM_501B_TP8, 128, torch.float8_e4m3fn)) * 128 == \
+        kw.NUM_LAYERS * kw.page_bytes(1)

@@ -274,7 +274,7 @@ def kv_fp8_cost(with_kv: dict, without: dict, at: list[int]) -> dict:
     nll_with, nll_without = -with_kv["lp"][at].double().mean(), -without["lp"][at].double().mean()
     return {"ppl_rel": float(torch.exp(nll_with - nll_without) - 1),
             "top1": float((with_kv["top_i"][at, 0] == without["top_i"][at, 0]).double().mean()),
-            "kl": float(without[f"kl/reference"][at].double().mean())}
+            "kl": float(without["kl/reference"][at].double().mean())}
 
 
 def _eta(times: dict[bool, list[float]], remaining: list[bool]) -> float:

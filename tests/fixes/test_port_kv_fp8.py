@@ -124,7 +124,8 @@ def overlay_scales(tmp_path_factory):
 
 
 def test_the_overlays_names_reach_the_attention_layer():
-    assert KV_CACHE_SCALE.sub(r".self_attn.attn.\1_scale", tensor_name(7, "k")) == "model.layers.7.self_attn.attn.k_scale"
+    mapped = KV_CACHE_SCALE.sub(r".self_attn.attn.\1_scale", tensor_name(7, "k"))
+    assert mapped == "model.layers.7.self_attn.attn.k_scale"
 
 
 def test_vllm_gaudi_receives_the_calibrated_scales(tree, overlay_scales):  # noqa: F811

@@ -195,7 +195,8 @@ def test_streamed_kv_reference_is_the_in_memory_one_and_records_its_cost(trained
         cost = got["kv_fp8_cost"]
         assert cost["kl"] == pytest.approx(float(kl), rel=1e-3, abs=1e-8)
         assert cost["ppl_rel"] == pytest.approx(float(torch.exp(nll(lp_with) - nll(lp_without)) - 1), abs=1e-6)
-        assert cost["top1"] == pytest.approx(float((lp_with[at].argmax(-1) == lp_without[at].argmax(-1)).double().mean()))
+        agree = (lp_with[at].argmax(-1) == lp_without[at].argmax(-1)).double().mean()
+        assert cost["top1"] == pytest.approx(float(agree))
         assert cost["kl"] > 0
 
 

@@ -41,7 +41,8 @@ def test_the_recipes_bf16_pool_is_reproduced_from_its_figures():
 
 def test_fp8_kv_doubles_the_pool_and_the_context_of_16_sequences():
     f = sum(kc.free_for_blocks(kc.layer_specs(kc.BEAM_501B_TP8, 128, torch.bfloat16), 6066, kc.MemoryFigures(0.0))) / 2
-    bf16, fp8 = (kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, d) for d in (torch.bfloat16, torch.float8_e4m3fn))
+    bf16, fp8 = (kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, d)
+                 for d in (torch.bfloat16, torch.float8_e4m3fn))
     assert fp8["bytes_per_token"] * 2 == bf16["bytes_per_token"] == 26_624
     assert 2 * bf16["blocks"] <= fp8["blocks"] <= 2 * bf16["blocks"] + 2
     assert kc.per_sequence_tokens(bf16["blocks"], 128, 16, 262_144) == 48_512

@@ -347,3 +347,21 @@ def test_cli_calibrates_and_the_reference_prints_the_cost(trained_fp8, tmp_path,
     with pytest.raises(ValueError, match="no kv_cache_scheme"):
         cli(["reference", str(trained_fp8), "--passages", str(passages), "--out", str(tmp_path / "r2.json"),
              "--kv-scales", str(trained_fp8)])
+
+
+def test_the_live_gates_reference_models_the_cache_with_kv_scales(trained_fp8, calibrated):
+    """`beam-gates --reference-checkpoint DIR --kv-scales OVERLAY`: the live reference is the FP8 KV
+    reference at vLLM-CPU's range (448), and a stored reference with --kv-scales on top is refused."""
+    from beam_hpu.gates import perplexity
+    from beam_hpu.reference.live import live_reference
+
+    scales = read_kv_scales(calibrated[0])
+    ids = list(range(8, 70))
+    profile = get_profile("cpu")
+    doc = live_reference(trained_fp8, {"p": ids}, 5, profile, exact=True, kv_scales=scales)
+    assert "FP8 KV cache" in doc["reference"]
+    model = load_reference(trained_fp8, dtype=getattr(torch, profile.reference_dtype), exact=True, kv_scales=scales)
+    expected = next_token_logprobs(model, ids)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(doc["passages"][0]["token_logprobs"][1:]), expected, rtol=0, atol=1e-6)
+    refused = perplexity.run(None, profile, reference_file="ref.json", kv_scales=str(calibrated[0]))
+    assert not refused.passed and "--kv-scales is for a live reference" in refused.result

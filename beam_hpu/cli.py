@@ -4,9 +4,11 @@
   beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--draft] [--print-only]
                 [--replicas N [--policy cache_aware|round_robin|...]]
   beam-hpu reference CHECKPOINT (--passages FILE | --text F ...) --out REF.json [--fp8-max 448|240] [--workdir DIR]
+                     [--kv-scales DIR]
+  beam-hpu calibrate-kv CHECKPOINT (--passages FILE | --text F ...) --out DIR [--fp8-max 240|448] [--workdir DIR]
 
 `tiny` and `demo`: `beam_hpu.demo.serve`; `demo --replicas`: `beam_hpu.replicas.demo`;
-`reference`: `beam_hpu.gates.stored_reference`.
+`reference`: `beam_hpu.gates.stored_reference`; `calibrate-kv`: `beam_hpu.reference.kv_calibration`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(r)
     r.set_defaults(func=run_cli)
+    c = sub.add_parser("calibrate-kv", help="per-layer FP8 KV-cache scales from K/V ranges over passages, written "
+                       "as an overlay of the checkpoint (streamed, resumable; beam_hpu.reference.kv_calibration)")
+    from beam_hpu.reference import kv_calibration
+
+    kv_calibration.add_arguments(c)
+    c.set_defaults(func=kv_calibration.run_cli)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -80,14 +80,19 @@ def cpu_passages(ep, profile, tokenizer_dir) -> dict[str, tuple[list[int], list[
     return out
 
 
-def run(ep, profile, reference_checkpoint=None, reference_file=None, **_) -> GateResult:
+def run(ep, profile, reference_checkpoint=None, reference_file=None, kv_scales=None, **_) -> GateResult:
+    if reference_file and kv_scales:
+        return GateResult("perplexity", False, "--kv-scales is for a live reference; a stored one models FP8 KV "
+                          "when `beam-hpu reference --kv-scales` wrote it")
     if reference_file:
         ref = json.loads(Path(reference_file).read_text())
         if ref.get("format") != FORMAT:
             raise ValueError(f"{reference_file}: format {ref.get('format')!r}, expected {FORMAT!r}")
     elif reference_checkpoint:
+        from beam_hpu.reference.kv_overlay import read_kv_scales
+
         ref = live_reference(reference_checkpoint, cpu_passages(ep, profile, reference_checkpoint),
-                             profile.ppl_topk, profile)
+                             profile.ppl_topk, profile, kv_scales=read_kv_scales(kv_scales) if kv_scales else None)
     else:
         return GateResult("perplexity", False, "no reference: pass --reference-checkpoint DIR (live, CPU) or "
                           "--reference-file FILE (stored)")

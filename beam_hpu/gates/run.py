@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="gates.json", help="where to write the JSON report")
     ap.add_argument("--reference-checkpoint", help="perplexity: compute the reference live from this checkpoint")
     ap.add_argument("--reference-file", help="perplexity: stored reference figures (format in gates/perplexity.py)")
+    ap.add_argument("--kv-scales", metavar="DIR",
+                    help="perplexity, live reference: the server runs an FP8 KV cache with this calibrated "
+                         "checkpoint's scales (beam-hpu calibrate-kv); the reference models the same cache")
     ap.add_argument("--reference-dtype", choices=("bfloat16", "float32"),
                     help="perplexity: precision of a live reference, the server's --dtype (default: the "
                          "profile's; cpu: float32, gaudi: bfloat16)")
@@ -50,7 +53,7 @@ def main(argv=None) -> int:
     overrides = {"reference_dtype": args.reference_dtype} if args.reference_dtype else {}
     profile = get_profile(args.profile, **overrides)
     results = run_gates(ep, profile, args.only, reference_checkpoint=args.reference_checkpoint,
-                        reference_file=args.reference_file)
+                        reference_file=args.reference_file, kv_scales=args.kv_scales)
     print(table(results))
     write_json(results, args.json, {"base_url": args.base_url, "model": args.model, "profile": args.profile})
     return 0 if all(r.passed for r in results) else 1

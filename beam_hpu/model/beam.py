@@ -19,6 +19,7 @@ D = head_dim, Nq / Nkv = local query / KV heads, E = experts.
 # No `from __future__ import annotations`: the torch-compile decorator reads real forward annotations.
 
 import math
+import re
 from collections.abc import Iterable
 
 import torch
@@ -61,6 +62,8 @@ from beam_hpu.model.ops import swiglu_fp32
 # constants are not in config.json (transformers and llama.cpp hard-code them the same way).
 SSMAX_POWER = 0.1
 SSMAX_LENGTH = 2048.0
+# A checkpoint's per-layer FP8 KV-cache scale: model.layers.{i}.self_attn.{q,k,v}_scale.
+KV_CACHE_SCALE = re.compile(r"\.self_attn\.([qkv])_scale$")
 
 
 def ssmax_query_scale(positions: torch.Tensor) -> torch.Tensor:
@@ -428,8 +431,11 @@ class BeamForCausalLM(nn.Module, SupportsPP, SupportsEagle3):
                 param = self._param(params, target, name)
                 param.weight_loader(param, tensor, shard)
                 return target
-        # The checkpoint's per-head `gate_bias` lives in the gate linear's bias here.
-        name_in_model = name.replace(".self_attn.gate_bias", ".self_attn.gate_proj.bias")
+        # The checkpoint's per-head `gate_bias` lives in the gate linear's bias here; FP8 KV-cache
+        # scales (compressed-tensors puts them on the attention module: `beam-hpu calibrate-kv`)
+        # on vLLM's Attention layer, whose KV-cache method created them.
+        name_in_model = KV_CACHE_SCALE.sub(r".self_attn.attn.\1_scale", name)
+        name_in_model = name_in_model.replace(".self_attn.gate_bias", ".self_attn.gate_proj.bias")
         if is_pp_missing_parameter(name_in_model, self):
             return None
         param = self._param(params, name_in_model, name)

@@ -56,3 +56,41 @@ def fake_quant_per_token(x: torch.Tensor, fp8_max: float = FP8_E4M3FN_MAX, exact
     """`x` rounded per token to FP8 as `per_token_fp8` does, returned as fp32 values."""
     q, scale = per_token_fp8(x, fp8_max, exact)
     return q.float() * scale
+
+
+# ---------------------------------------------------------------- FP8 KV cache: static per-layer scales
+#
+# An FP8 KV cache stores each key (value) element as e4m3(x / step) with one step per attention
+# layer, and attention reads step * e4m3. The checkpoint carries the step in compressed-tensors'
+# form, `k_scale` / `v_scale` = amax / 448 (OCP e4m3fn), and the two servers read it so:
+# - vLLM (CPU, CUDA): the step is the file's scale as it is; range +-448;
+# - vllm-gaudi (`HPUCompressedTensorsKVCacheMethod`, VLLM_SCALE_ADJUSTMENT on, its default):
+#   amax = scale * 448, and the cache casts x * (240 / amax) to Gaudi 2's e4m3 (range +-240),
+#   i.e. a step of scale * 448 / 240.
+# With no scales in the checkpoint both use a scale of 1.0 (vLLM: `k_scale` 1.0; vllm-gaudi:
+# amax 448). One function below rounds for the reference and models both servers' caches.
+KV_SCALE_FP8_MAX = FP8_E4M3FN_MAX  # the range compressed-tensors' k_scale / v_scale refer to
+DEFAULT_KV_SCALE = 1.0  # what both servers use when the checkpoint has no scales
+
+
+def kv_cache_scale(amax: float) -> float:
+    """The checkpoint's k_scale / v_scale (compressed-tensors form) for an observed |x| maximum.
+    An all-zero observation gets the smallest positive scale rather than 0 (0 / 0 on read)."""
+    return max(float(amax), EXACT_ZERO_ROW_AMAX) / KV_SCALE_FP8_MAX
+
+
+def kv_device_step(scale: float, fp8_max: float) -> float:
+    """The step a cache of range `fp8_max` rounds with, given the checkpoint's `scale`: the scale
+    itself at 448 (vLLM), scale * 448 / 240 on Gaudi 2 (vllm-gaudi's rescaling, module note)."""
+    return float(scale) * KV_SCALE_FP8_MAX / fp8_max
+
+
+def fp8_kv_round(x: torch.Tensor, scale: float, fp8_max: float, exact: bool = True) -> torch.Tensor:
+    """`x` as an FP8 KV cache of range `fp8_max` holds and returns it, for the checkpoint's `scale`
+    (compressed-tensors form): e4m3(x / step) * step in fp32, saturated at +-fp8_max, step =
+    `kv_device_step(scale, fp8_max)`. exact=False multiplies by the step's reciprocal, as
+    vllm-gaudi's cast_to_fp8_v2(x, 1 / step) does (the module doc's rounding (a))."""
+    step = torch.tensor(kv_device_step(scale, fp8_max), dtype=torch.float32)
+    xf = x.float()
+    scaled = xf / step if exact else xf * (1.0 / step)
+    return scaled.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float() * step

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from beam_hpu.quant.fp8_checkpoint import load_checkpoint_tensors
+from beam_hpu.reference import kv_fp8
 # fake_quant_per_token, the two FP8 ranges: re-exported, callers import them from here too.
 from beam_hpu.quant.rounding import FP8_E4M3FN_MAX, GAUDI2_FP8_MAX, fake_quant_per_token  # noqa: F401
 
@@ -141,11 +142,14 @@ def set_activation_quant(model, fp8_max: float | None, exact: bool = True) -> No
 
 
 def load_reference(checkpoint_dir: str | Path, fp8_max: float = FP8_E4M3FN_MAX, dtype: torch.dtype = torch.float32,
-                   exact: bool = True):
+                   exact: bool = True, kv_scales=None):
     """The per-token FP8 reference for a compressed-tensors FP8 Beam checkpoint: FP8 weights and
     per-token FP8 activations into every quantised matmul; everything else computed in `dtype`
     (fp32 by default; bf16 to compare with a server that computes in bf16). `exact=False` rounds
-    activations as the device's fast path does (BEAM_EXACT_ROUNDING=0), to compare like with like."""
+    activations as the device's fast path does (BEAM_EXACT_ROUNDING=0), to compare like with like.
+    `kv_scales` (beam_hpu.reference.kv_fp8.KvScales): K and V also rounded through FP8 of range
+    `fp8_max` with those per-layer scales, as an FP8 KV cache holds them (`kv_fp8.set_kv_rounding`
+    switches it later on the same model)."""
     checkpoint_dir = Path(checkpoint_dir)
     qconfig = quantization_config(checkpoint_dir)
     if qconfig is None:
@@ -160,6 +164,10 @@ def load_reference(checkpoint_dir: str | Path, fp8_max: float = FP8_E4M3FN_MAX, 
     model.set_experts_implementation(EXPERTS_IMPL)
     model.beam_fp8_modules = linears + experts
     set_activation_quant(model, fp8_max, exact)
+    kv_fp8.install(model)
+    if kv_scales is not None:
+        kv_fp8.check_layers(kv_scales, model.config.num_hidden_layers)
+        kv_fp8.set_kv_rounding(model, kv_scales, fp8_max, exact)
     return model
 
 

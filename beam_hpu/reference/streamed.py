@@ -34,10 +34,11 @@ import torch
 from beam_hpu.loader.options import LoaderOptions
 from beam_hpu.loader.reader import RangeReader
 from beam_hpu.quant.fp8_dequant import dequantise_rows
+from beam_hpu.reference import kv_fp8
 from beam_hpu.reference import layer_stream as ls
 from beam_hpu.reference.file_format import FORMAT, gates_of, scored_positions
 from beam_hpu.reference.in_memory import FP8_E4M3FN_MAX, set_activation_quant
-from beam_hpu.reference.plan import Passage, Plan, make_plan
+from beam_hpu.reference.plan import WITHOUT_KV_FP8, Passage, Plan, make_plan
 from beam_hpu.reference.workdir import Workdir
 
 logger = logging.getLogger("vllm.beam_hpu.reference")
@@ -148,8 +149,11 @@ def run_layer(plan: Plan, i: int, states: dict[str, torch.Tensor], contexts: Con
 
 
 def set_quant(plan: Plan, stream: ls.Stream) -> None:
+    model = plan.skeletons[stream.dtype]
     if plan.fp8:
-        set_activation_quant(plan.skeletons[stream.dtype], stream.fp8_max, plan.exact)
+        set_activation_quant(model, stream.fp8_max, plan.exact)
+    # FP8 KV: the same range as the activations' (448 on CPU, 240 on Gaudi 2: one server, one range)
+    kv_fp8.set_kv_rounding(model, plan.kv_scales if stream.kv_fp8 else None, stream.fp8_max, plan.exact)
 
 
 def _expert_weights(plan: Plan, raw: dict, i: int, e: int, dtype: torch.dtype):
@@ -164,10 +168,12 @@ def _expert_weights(plan: Plan, raw: dict, i: int, e: int, dtype: torch.dtype):
 
 
 @torch.no_grad()
-def head(plan: Plan, states: dict[str, torch.Tensor], reader: RangeReader, k: int) -> dict:
+def head(plan: Plan, states: dict[str, torch.Tensor], reader: RangeReader, k: int,
+         kl_pairs: list[tuple[str, str]] = ()) -> dict:
     """Final norm, LM head in vocabulary slices, soft-cap and log-softmax as BeamForCausalLM and
     `beam_hpu.reference.in_memory.next_token_logprobs` compute them; per stream and passage: the token's
-    logprob, top-k, and top-1 at every position."""
+    logprob, top-k, and top-1 at every position. `kl_pairs` (a, b): also "kl/b" under a's entry,
+    KL(p_a || p_b) over the whole vocabulary at every position."""
     from transformers.models.beam.modeling_beam import BeamRMSNorm
 
     cfg = plan.config
@@ -183,16 +189,22 @@ def head(plan: Plan, states: dict[str, torch.Tensor], reader: RangeReader, k: in
     targets = {j: torch.tensor(p.ids[1:] + [0]) for j, p in enumerate(plan.passages)}
     acc = {key: {"lse": [], "top_v": [], "top_i": [], "tok": torch.full((len(x),), float("nan"))}
            for key, x in normed.items()}
+    # Per slice s: lse_s of a's logits and E_{softmax_s(a)}[l_a - l_b]; merged below into
+    # E_{p_a}[l_a - l_b] = sum_s exp(lse_s - lse_a) * E_s, and KL = that - lse_a + lse_b.
+    kl_acc = {(a, b, j): {"lse": [], "mean": []} for a, b in kl_pairs for j in range(len(plan.passages))}
     rows = max(1, VOCAB_SLICE_BYTES // (cfg.hidden_size * 4))
     for v0 in range(0, cfg.vocab_size, rows):
         v1 = min(cfg.vocab_size, v0 + rows)
         w = ls.read_rows(reader, entry, range(v0, v1))
+        slice_logits = {}
         for (name, j), x in normed.items():
             dtype = next(s.dtype for s in plan.streams if s.name == name)
             logits = torch.nn.functional.linear(x, w.to(dtype))
             if cfg.final_logit_softcapping is not None:
                 logits = torch.tanh(logits.float() / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
             logits = logits.float()
+            if kl_pairs:
+                slice_logits[name, j] = logits
             a = acc[name, j]
             a["lse"].append(torch.logsumexp(logits, dim=-1))
             v, ix = logits.topk(min(k, v1 - v0), dim=-1)
@@ -200,7 +212,11 @@ def head(plan: Plan, states: dict[str, torch.Tensor], reader: RangeReader, k: in
             a["top_i"].append(ix + v0)
             inside = (targets[j] >= v0) & (targets[j] < v1)
             a["tok"][inside] = logits[inside.nonzero()[:, 0], targets[j][inside] - v0]
-        del w
+        for (na, nb, j), kl in kl_acc.items():
+            la, lb = slice_logits[na, j], slice_logits[nb, j]
+            kl["lse"].append(torch.logsumexp(la, dim=-1))
+            kl["mean"].append((torch.softmax(la, dim=-1) * (la - lb)).sum(-1))
+        del w, slice_logits
     out = {}
     for key, a in acc.items():
         lse = torch.logsumexp(torch.stack(a["lse"]), dim=0)
@@ -209,7 +225,12 @@ def head(plan: Plan, states: dict[str, torch.Tensor], reader: RangeReader, k: in
         order = torch.argsort(ix, dim=-1, stable=True)
         v, ix = v.gather(-1, order), ix.gather(-1, order)
         best = torch.argsort(-v, dim=-1, stable=True)[:, :k]
-        out[key] = {"lp": a["tok"] - lse, "top_v": v.gather(-1, best) - lse[:, None], "top_i": ix.gather(-1, best)}
+        out[key] = {"lp": a["tok"] - lse, "top_v": v.gather(-1, best) - lse[:, None], "top_i": ix.gather(-1, best),
+                    "lse": lse}
+    for (na, nb, j), kl in kl_acc.items():
+        lse_a, lse_b = out[na, j]["lse"], out[nb, j]["lse"]
+        weights = torch.exp(torch.stack(kl["lse"]) - lse_a)  # [slices, T]
+        out[na, j][f"kl/{nb}"] = (weights * torch.stack(kl["mean"])).sum(0) - lse_a + lse_b
     return out
 
 
@@ -221,6 +242,8 @@ def reference_document(plan: Plan, heads: dict, k: int, profile, checkpoint: str
             else "transformers Beam")
     if plan.fp8 and ref.fp8_max != FP8_E4M3FN_MAX:
         name += f", fp8_max {ref.fp8_max:g}"
+    if plan.kv_scales is not None:
+        name += f", FP8 KV cache (scales of {plan.kv_scales.source})"
     passages = []
     for j, p in enumerate(plan.passages):
         r, f = heads["reference", j], heads["floor", j]
@@ -234,10 +257,24 @@ def reference_document(plan: Plan, heads: dict, k: int, profile, checkpoint: str
             doc["scored"] = [int(bool(x)) for x in p.scored]
         at = [i - 1 for i in scored_positions(doc)]
         doc["floor_top1"] = float((f["top_i"][at, 0] == r["top_i"][at, 0]).double().mean())
+        if plan.kv_scales is not None:
+            doc["kv_fp8_cost"] = kv_fp8_cost(r, heads[WITHOUT_KV_FP8, j], at)
         passages.append(doc)
-    return {"format": FORMAT, "model": str(checkpoint), "reference": f"{name}, {dtype_name}", "topk": k,
-            "gates": gates_of(profile),
-            "passages": passages}
+    out = {"format": FORMAT, "model": str(checkpoint), "reference": f"{name}, {dtype_name}", "topk": k,
+           "gates": gates_of(profile),
+           "passages": passages}
+    if plan.kv_scales is not None:
+        out["kv_fp8"] = {"scales": plan.kv_scales.source, "fp8_max": ref.fp8_max}
+    return out
+
+
+def kv_fp8_cost(with_kv: dict, without: dict, at: list[int]) -> dict:
+    """What FP8 KV costs on one passage's scored positions `at` (row indices): perplexity with over
+    without - 1, top-1 agreement, mean KL(without || with) over the whole vocabulary."""
+    nll_with, nll_without = -with_kv["lp"][at].double().mean(), -without["lp"][at].double().mean()
+    return {"ppl_rel": float(torch.exp(nll_with - nll_without) - 1),
+            "top1": float((with_kv["top_i"][at, 0] == without["top_i"][at, 0]).double().mean()),
+            "kl": float(without["kl/reference"][at].double().mean())}
 
 
 def _eta(times: dict[bool, list[float]], remaining: list[bool]) -> float:
@@ -248,46 +285,63 @@ def _eta(times: dict[bool, list[float]], remaining: list[bool]) -> float:
     return sum(mean[kind] for kind in remaining)
 
 
+def stream_layers(plan: Plan, work: Workdir, reader: RangeReader, *, task: str = "reference",
+                  stop_after_layer: int | None = None, on_layer=None, prepare=None) -> dict | None:
+    """Every decoder layer of every stream and passage, resumed from `work` and saved to it after each
+    layer, with progress and an ETA on the log; the states after the last layer, or None when stopped
+    by `stop_after_layer`. `prepare(states)` runs once before the first layer computed here (the
+    calibration puts its observer on the model; the states then hold what it recorded so far)."""
+    n_layers = plan.config.num_hidden_layers
+    resumed = work.resume()
+    if resumed is None:
+        start, states = 0, _embed(plan, reader)
+    else:
+        start, states = resumed[0] + 1, {n: t for n, t in resumed[1].items()}
+        logger.info("resuming %s after layer %d (%s)", plan.checkpoint.directory, resumed[0], work.directory)
+    if prepare is not None:
+        prepare(states)
+    contexts = Contexts(plan)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(start, n_layers):
+        t0, b0 = time.perf_counter(), reader.bytes_read
+        run_layer(plan, i, states, contexts, reader)
+        work.save(i, states)
+        dt, nbytes = time.perf_counter() - t0, reader.bytes_read - b0
+        times[plan.is_moe(i)].append(dt)
+        eta = _eta(times, [plan.is_moe(x) for x in range(i + 1, n_layers)])
+        logger.info("%s: layer %d/%d (%s) %.1f s, read %.3f GB (%.2f GB/s); ETA %.1f min", task,
+                    i + 1, n_layers, "MoE" if plan.is_moe(i) else "dense", dt, nbytes / 1e9,
+                    nbytes / 1e9 / max(dt, 1e-9), eta / 60)
+        if on_layer:
+            on_layer(i, dt, nbytes)
+        if i == stop_after_layer and i + 1 < n_layers:
+            logger.info("%s: stopping after layer %d as asked; run again to resume", task, i)
+            return None
+    return states
+
+
 def write_streamed_reference(checkpoint: str | Path, passages: list[Passage], out: str | Path, *,
                              dtype: torch.dtype = torch.bfloat16, fp8_max: float | None = None,
                              exact: bool | None = None,
                              profile, workdir: str | Path | None = None, k: int = 20,
                              stop_after_layer: int | None = None, options: LoaderOptions | None = None,
-                             on_layer=None) -> dict | None:
+                             on_layer=None, kv_scales=None) -> dict | None:
     """Write the reference file `out`; return its document (None when stopped by `stop_after_layer`:
     the hook that ends a run once that layer is saved, as a kill would, for tests and for splitting
-    a run over sessions). `on_layer(i, seconds, bytes_read)` is called after each computed layer."""
-    plan = make_plan(checkpoint, passages, dtype, fp8_max, exact)
+    a run over sessions). `on_layer(i, seconds, bytes_read)` is called after each computed layer.
+    `kv_scales` (kv_fp8.KvScales): the reference models an FP8 KV cache with them, and the document
+    carries per passage what that costs against the same reference without it (`kv_fp8_cost`)."""
+    plan = make_plan(checkpoint, passages, dtype, fp8_max, exact, kv_scales=kv_scales)
     out = Path(out)
     work = Workdir(workdir or out.with_name(out.name + ".work"), plan.description)
     options = options or LoaderOptions()
-    n_layers = plan.config.num_hidden_layers
     with RangeReader(plan.checkpoint.files, options.num_threads, options.chunk_bytes) as reader:
-        resumed = work.resume()
-        if resumed is None:
-            start, states = 0, _embed(plan, reader)
-        else:
-            start, states = resumed[0] + 1, {n: t for n, t in resumed[1].items()}
-            logger.info("resuming %s after layer %d (%s)", checkpoint, resumed[0], work.directory)
-        contexts = Contexts(plan)
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for i in range(start, n_layers):
-            t0, b0 = time.perf_counter(), reader.bytes_read
-            run_layer(plan, i, states, contexts, reader)
-            work.save(i, states)
-            dt, nbytes = time.perf_counter() - t0, reader.bytes_read - b0
-            times[plan.is_moe(i)].append(dt)
-            eta = _eta(times, [plan.is_moe(x) for x in range(i + 1, n_layers)])
-            logger.info("reference: layer %d/%d (%s) %.1f s, read %.3f GB (%.2f GB/s); ETA %.1f min",
-                        i + 1, n_layers, "MoE" if plan.is_moe(i) else "dense", dt, nbytes / 1e9,
-                        nbytes / 1e9 / max(dt, 1e-9), eta / 60)
-            if on_layer:
-                on_layer(i, dt, nbytes)
-            if i == stop_after_layer and i + 1 < n_layers:
-                logger.info("reference: stopping after layer %d as asked; run again to resume", i)
-                return None
+        states = stream_layers(plan, work, reader, stop_after_layer=stop_after_layer, on_layer=on_layer)
+        if states is None:
+            return None
         t0 = time.perf_counter()
-        heads = head(plan, states, reader, k)
+        pairs = [(WITHOUT_KV_FP8, "reference")] if kv_scales is not None else []
+        heads = head(plan, states, reader, k, kl_pairs=pairs)
         logger.info("reference: final norm and LM head %.1f s", time.perf_counter() - t0)
     doc = reference_document(plan, heads, k, profile, checkpoint)
     tmp = out.with_name(out.name + ".tmp")

@@ -13,6 +13,7 @@ Jobs:
   {"prompt_distributions": [ids]}        -> full next-token log-distribution at every prompt position
                                             (needs engine_kwargs max_logprobs >= vocab)
   {"experts": true}                      -> per worker: its MoE layers' local experts (see expert_inventory)
+  {"kv_scales": true}                    -> per worker: each Attention layer's KV-cache dtype and k/v/q scales
   {"mutate_expert_map": true}            -> test mutation: roll every MoE layer's expert map by one slot
                                             on every worker (wrong experts from here on); later jobs see it
 """
@@ -80,9 +81,19 @@ def roll_expert_maps(model) -> int:
     return changed
 
 
+def attention_kv_scales(model) -> dict:
+    """Run inside each worker (LLM.apply_model): every Attention layer's KV-cache dtype and the scales
+    its cache writes and reads with (what process_weights_after_loading left: `_k_scale_float` etc.)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    return {name: {"kv_cache_dtype": m.kv_cache_dtype, "k": m._k_scale_float, "v": m._v_scale_float,
+                   "q": m._q_scale_float}
+            for name, m in model.named_modules() if isinstance(m, Attention)}
+
+
 def run(spec: dict) -> dict:
     jobs = spec["jobs"]
-    if any(key in job for job in jobs for key in ("dump_state", "experts", "mutate_expert_map")):
+    if any(key in job for job in jobs for key in ("dump_state", "experts", "mutate_expert_map", "kv_scales")):
         # LLM.apply_model ships a function to the workers by pickle, which vLLM allows only when asked.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if any("dump_state" in job for job in jobs):
@@ -149,6 +160,10 @@ def run(spec: dict) -> dict:
             from tests.support.engine_run import expert_inventory as inventory
 
             results.append({"ranks": llm.apply_model(inventory)})
+        elif "kv_scales" in job:
+            from tests.support.engine_run import attention_kv_scales
+
+            results.append({"ranks": llm.apply_model(attention_kv_scales)})
         elif "mutate_expert_map" in job:
             from tests.support.engine_run import roll_expert_maps
 

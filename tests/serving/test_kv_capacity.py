@@ -1,0 +1,78 @@
+"""serving/kv_capacity.py: vLLM's own block division over the HPU runner's specs reproduces the
+recipe's 776,448-token bf16 pool from its memory figures, and FP8 KV halves the bytes per token."""
+
+import torch
+
+from serving import kv_capacity as kc
+
+GIB = 2**30
+
+
+def test_vllms_division_is_the_bytes_of_one_block_of_every_layer():
+    shape = kc.AttentionShape(num_layers=7, kv_heads=4, head_dim=64, tp=2)
+    for dtype, itemsize in ((torch.bfloat16, 2), (torch.float8_e4m3fn, 1)):
+        specs = kc.layer_specs(shape, 32, dtype)
+        page = 2 * 32 * 2 * 64 * itemsize  # K and V, block 32, 2 KV heads per card
+        assert kc.kv_bytes_per_token(specs) == 7 * page / 32
+        for available in (page * 7 * 10, page * 7 * 10 + page * 7 - 1, 123_456_789):
+            assert kc.pool_blocks(specs, available, 32) == available // (7 * page)
+
+
+def test_the_workers_split_leaves_the_graph_share_and_one_dummy_block():
+    specs = kc.layer_specs(kc.BEAM_501B_TP8, 128, torch.bfloat16)
+    memory = kc.MemoryFigures(40 * GIB)
+    dummy = 52 * 2 * 128 * 128 * 2
+    assert kc.kv_cache_bytes(specs, memory) == int(40 * GIB * 0.9 * 0.6 - dummy)
+
+
+def test_the_recipes_bf16_pool_is_reproduced_from_its_figures():
+    base = kc.MemoryFigures(0.0)
+    lo, hi = (kc.free_from_graph_reserve(g, base) for g in (12.835, 12.845))
+    bf16 = [kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16)["tokens"] for f in (lo, hi)]
+    assert bf16[0] <= kc.RECIPE_POOL_TOKENS <= bf16[1]
+    assert bf16[1] - bf16[0] <= 8 * 128  # the rounding of 12.84 GiB costs a few blocks, not more
+    specs = kc.layer_specs(kc.BEAM_501B_TP8, 128, torch.bfloat16)
+    f_lo, f_hi = kc.free_for_blocks(specs, 6066, base)
+    assert lo < f_lo < f_hi < hi
+    for f in (f_lo + 1, (f_lo + f_hi) / 2, f_hi - 1):  # one byte inside either end (float products)
+        assert kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16)["tokens"] == 776_448
+    assert kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f_hi + 1), 128, torch.bfloat16)["tokens"] == 776_576
+
+
+def test_fp8_kv_doubles_the_pool_and_the_context_of_16_sequences():
+    f = sum(kc.free_for_blocks(kc.layer_specs(kc.BEAM_501B_TP8, 128, torch.bfloat16), 6066, kc.MemoryFigures(0.0))) / 2
+    bf16, fp8 = (kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, d)
+                 for d in (torch.bfloat16, torch.float8_e4m3fn))
+    assert fp8["bytes_per_token"] * 2 == bf16["bytes_per_token"] == 26_624
+    assert 2 * bf16["blocks"] <= fp8["blocks"] <= 2 * bf16["blocks"] + 2
+    assert kc.per_sequence_tokens(bf16["blocks"], 128, 16, 262_144) == 48_512
+    assert kc.per_sequence_tokens(fp8["blocks"], 128, 16, 262_144) == 97_024
+    assert kc.per_sequence_tokens(10**9, 128, 16, 262_144) == 262_144
+
+
+def test_the_table_prints_its_inputs_and_the_unknown_one(capsys):
+    assert kc.main([]) == 0
+    out = capsys.readouterr().out
+    for text in ("a model", "unknown here: F", "VLLM_GRAPH_RESERVED_MEM 0.4", "--gpu-memory-utilization 0.90",
+                 "bf16 (auto) | 26,624", "fp8 (fp8_inc) | 13,312", "776,448 tokens (6,066 blocks): inside"):
+        assert text in out, text
+
+
+def test_kv_capacity_and_kv_window_agree_on_the_full_caches():
+    """serving/kv_window.py (issue 26) re-cuts the bytes of the measured 6,066-block pool; this module
+    derives the pool from the memory split. At an F that gives 6,066 bf16 blocks both agree on the
+    bf16 pool; on FP8's this module finds 1 to 3 blocks more: the FP8 dummy block is half the bf16 one
+    (+1), and the bytes left under one bf16 block are up to two FP8 blocks (kv_window drops them). FP8 KV here
+    has static per-layer scales only: no per-token scale bytes (kv_window's scale_bytes 0 is right)."""
+    from serving import kv_window as kw
+
+    specs = kc.layer_specs(kc.BEAM_501B_TP8, 128, torch.bfloat16)
+    lo, hi = kc.free_for_blocks(specs, 6066, kc.MemoryFigures(0.0))
+    window = {p.name: p.num_blocks for p in kw.pools(kw.kv_bytes_per_card())}
+    for f in (lo + 1, hi - 1):
+        ours = {d: kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, dtype)["blocks"]
+                for d, dtype in (("bf16", torch.bfloat16), ("FP8", torch.float8_e4m3fn))}
+        assert ours["bf16"] == window["bf16 full"] == 6066
+        assert window["FP8 full"] + 1 <= ours["FP8"] <= window["FP8 full"] + 3
+    assert kc.kv_bytes_per_token(kc.layer_specs(kc.BEAM_501B_TP8, 128, torch.float8_e4m3fn)) * 128 == \
+        kw.NUM_LAYERS * kw.page_bytes(1)

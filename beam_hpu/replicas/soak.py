@@ -357,7 +357,7 @@ def report(res: SoakResult) -> str:
             ("requests sent", len(res.unfaulted), len(res.faulted))]
     for status in ("completed", "refused", "cancelled", "disconnected", "error", "broken", "truncated", "hung", "wrong"):
         rows.append((status, cu.get(status, 0), cf.get(status, 0)))
-    rows.append(("retried by the router (vllm_router_retries_total)", f"{res.retries['unfaulted']:.0f}",
+    rows.append(("router retries (vllm_router_retries_total)", f"{res.retries['unfaulted']:.0f}",
                  f"{res.retries['faulted']:.0f}"))
     lu, lf = latency(res.unfaulted), latency(res.faulted)
     for key, name in (("p50", "latency p50"), ("p99", "latency p99"), ("ttft_p50", "TTFT p50 (streams)"),

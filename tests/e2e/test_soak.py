@@ -8,7 +8,8 @@
    fault kind; no hung request, no silent truncation, completed answers equal to the unfaulted
    run's, every fault recovered, survivors' growth under a bound from the same run.
 
-Bounds are generous deadlines, not speeds: the run takes 5 to 8 minutes on 2 shared cores."""
+Bounds are generous deadlines, not speeds. Most of the time is replicas starting again (about a
+minute each on 2 quiet cores, up to three under other load): 6 to 12 minutes."""
 
 from __future__ import annotations
 
@@ -67,9 +68,11 @@ def wait_fleet_healthy(fleet, timeout=600):
     raise AssertionError(f"fleet not healthy after {timeout}s: {router_view(fleet)}")
 
 
-def open_stream_and_kill_engine(base_url, fleet, chunks_before_kill=3):
+def open_stream_and_kill_engine(base_url, fleet, chunks_before_kill=3, index=None):
     """Stream ENDLESS from `base_url`; after a few data events SIGKILL the engine core of the
-    replica running it. Returns (the data lines after the kill, the replica index)."""
+    replica running it (`index`, or the one whose /metrics shows a running request). Returns
+    (the data lines after the kill, the replica index)."""
+    known = index
     lines, after, index = [], [], None
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=ENDLESS, timeout=120) as r:
         assert r.status_code == 200
@@ -78,7 +81,7 @@ def open_stream_and_kill_engine(base_url, fleet, chunks_before_kill=3):
                 continue
             (after if index is not None else lines).append(line)
             if index is None and len(lines) >= chunks_before_kill:
-                index = running_replica(fleet)
+                index = known if known is not None else running_replica(fleet)
                 os.kill(procs.engine_core_pid(fleet.replica_procs[index].pid), signal.SIGKILL)
     return after, index
 
@@ -121,8 +124,7 @@ def test_engine_death_mid_stream(fleet):
 
     b = 1 - a
     url = fleet.layout.replicas[b].url
-    after, index = open_stream_and_kill_engine(url, fleet)
-    assert index == b
+    after, _ = open_stream_and_kill_engine(url, fleet, index=b)
     assert_error_event_then_done(after)
     # The API server exits by itself (its watchdog, VLLM_KEEP_ALIVE_ON_ENGINE_DEATH unset): the next
     # request to it finds no server (or, in the moment before it exits, HTTP 500/503).
@@ -146,8 +148,11 @@ def test_engine_death_mid_stream(fleet):
 def test_soak_with_faults(fleet):
     wait_fleet_healthy(fleet)
     s = RouterSettings()
-    res = run_soak(fleet, fleet.supervisor, schedule=default_schedule(s.health_check_interval_secs,
-                                                                       s.health_failure_threshold),
+    # The three faults of the issue; the hang (restarted by the supervisor after 20 s) costs one more
+    # restart here and is in benchmarks/soak.py and tests/replicas/test_supervisor.py instead.
+    schedule = [f for f in default_schedule(s.health_check_interval_secs, s.health_failure_threshold) if f.kind != "hang"]
+    assert [f.kind for f in schedule] == ["kill_engine", "stop", "kill_api"]
+    res = run_soak(fleet, fleet.supervisor, schedule=schedule,
                    unfaulted_secs=30, tail_secs=10, clients=4, deadline=120, gap_secs=3, recover_timeout=300,
                    metrics_url=fleet.metrics_url)
     print(report(res))
@@ -157,6 +162,11 @@ def test_soak_with_faults(fleet):
         c = counts(outs)
         assert c.get("hung", 0) == 0 and c.get("truncated", 0) == 0 and c.get("wrong", 0) == 0, c
     assert mismatches(res.faulted, res.reference) == []
+    # A stream cut by a killed API server is not a clean end: the client's HTTP library raises
+    # (the router closes the chunked body unfinished), so it is `broken`, never `truncated`.
+    for o in res.faulted:
+        if o.status == "broken":
+            assert "incomplete chunked read" in o.detail or "ConnectError" in o.detail or "ReadError" in o.detail, o
     assert counts(res.unfaulted).get("completed", 0) >= 10 and counts(res.faulted).get("completed", 0) >= 10
     # Every planned behaviour happened in the unfaulted phase, so none is vacuous.
     assert {"completed", "refused", "cancelled", "disconnected"} <= set(counts(res.unfaulted))

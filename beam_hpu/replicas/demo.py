@@ -2,6 +2,9 @@
 
 The router takes the demo's port (8000), so the README's requests work unchanged; the replicas
 take the next N ports. Ctrl-C or SIGTERM stops the router and every replica (process groups).
+A replica whose process exits, or whose /health fails for `RestartPolicy.unhealthy_after_secs`,
+is restarted by the fleet's supervisor (with backoff and a cap; each restart logged on stderr);
+the router drops it and takes it back by its own health checks.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from pathlib import Path
 
 from beam_hpu.demo.serve import write_checkpoint
 from beam_hpu.replicas.layout import RouterSettings, plan
-from beam_hpu.replicas.supervisor import Fleet
+from beam_hpu.replicas.restart import RestartPolicy
+from beam_hpu.replicas.supervisor import Fleet, Supervisor
 
 
 def _env_prefix(env: dict[str, str]) -> str:
@@ -50,18 +54,15 @@ def run(args) -> int:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, _terminate)
+    supervisor = None
     try:
         print(f"starting {len(layout.replicas)} replicas ...", flush=True)
         fleet.start()
         print(fleet.describe(), flush=True)
         print(f"Application startup complete: vllm-router ({args.policy}) on {layout.router_url}; "
               f"Ctrl-C stops everything", flush=True)
-        reported = set()
+        supervisor = Supervisor(fleet, RestartPolicy(), log=sys.stderr).start()
         while True:
-            for i, proc in fleet.replica_procs.items():
-                if proc.poll() is not None and i not in reported:
-                    reported.add(i)
-                    print(f"replica {i} exited with {proc.returncode} (the router routes around it)", file=sys.stderr)
             if fleet.router_proc.poll() is not None:
                 print(f"vllm-router exited with {fleet.router_proc.returncode}; stopping", file=sys.stderr)
                 return 1
@@ -70,4 +71,6 @@ def run(args) -> int:
         print("stopping the router and the replicas", flush=True)
         return 0
     finally:
+        if supervisor is not None:
+            supervisor.stop()  # first, or it would restart the replicas being stopped
         fleet.stop()

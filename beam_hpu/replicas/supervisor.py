@@ -3,6 +3,10 @@
 Each process runs in its own session (process group), so stopping one takes its children (vLLM's
 engine core, the router's workers) with it; `stop()` terminates every group, waits, then kills
 what is left. The demo calls `stop()` on Ctrl-C and SIGTERM: nothing outlives it.
+
+`Supervisor` is the fleet's restart loop (a thread): it brings back a replica whose process
+exited or whose /health keeps failing, with the backoff and cap of `restart.RestartPolicy`, and
+logs why. The router needs no telling: its health check drops the replica and takes it back.
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ import dataclasses
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from beam_hpu.replicas.layout import Layout, Replica
+from beam_hpu.replicas.restart import ReplicaWatch, RestartPolicy
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
@@ -111,6 +118,11 @@ class Fleet:
         """Kill replica `index`'s whole process group (SIGKILL: a crash, not a graceful stop)."""
         _stop_group(self.replica_procs[index], sig)
 
+    def discard_replica(self, index: int) -> None:
+        """SIGKILL what is left of replica `index`'s group (a dead leader can leave its engine core
+        behind, a hung one answers nothing) and reap it, so a new one can take its ports."""
+        _stop_group(self.replica_procs[index], signal.SIGKILL, grace=5)
+
     def restart_replica(self, index: int, timeout: float = 600) -> None:
         self.kill_replica(index, signal.SIGTERM)
         self.start_replica(self.layout.replicas[index])
@@ -133,6 +145,81 @@ class Fleet:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class Event:
+    at: float  # time.monotonic()
+    replica: int
+    action: str  # "kill", "start", "give_up", "healthy"
+    reason: str
+
+
+class Supervisor:
+    """Restarts the replicas of `fleet` by `policy`, in a daemon thread, until `stop()`.
+
+    Every poll: is each replica's process alive, does its /health answer 200 within the policy's
+    timeout. `ReplicaWatch` decides; this class acts (discard the old group, spawn the replica's
+    command again) and records an `Event` for each action, printed to `log` as it happens."""
+
+    def __init__(self, fleet: Fleet, policy: RestartPolicy = RestartPolicy(), log=sys.stderr):
+        self.fleet, self.policy, self.log = fleet, policy, log
+        now = time.monotonic()
+        self.watches = {i: ReplicaWatch(policy, started_at=now) for i in fleet.replica_procs}
+        self.events: list[Event] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="replica-supervisor", daemon=True)
+
+    def start(self) -> "Supervisor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _record(self, index: int, action: str, reason: str) -> None:
+        event = Event(time.monotonic(), index, action, reason)
+        with self._lock:
+            self.events.append(event)
+        if self.log is not None:
+            print(f"supervisor: replica {index} ({self.fleet.layout.replicas[index].url}): {action}: {reason}",
+                  file=self.log, flush=True)
+
+    def events_of(self, index: int | None = None) -> list[Event]:
+        with self._lock:
+            return [e for e in self.events if index is None or e.replica == index]
+
+    def poll_once(self) -> None:
+        for index, watch in self.watches.items():
+            replica = self.fleet.layout.replicas[index]
+            proc = self.fleet.replica_procs[index]
+            alive = proc.poll() is None
+            # A replica waiting out its backoff is not probed: it has no process.
+            healthy = alive and watch.state != "backoff" and http_ok(f"{replica.url}/health",
+                                                                     timeout=self.policy.health_timeout_secs)
+            was = watch.state
+            decision = watch.observe(time.monotonic(), alive, healthy)
+            if decision.action == "kill":
+                self.fleet.discard_replica(index)
+                code = proc.returncode
+                self._record(index, "kill", f"{decision.reason} (exit code {code})")
+            elif decision.action == "start":
+                self.fleet.start_replica(replica)
+                self._record(index, "start", decision.reason)
+            elif decision.action == "give_up":
+                self.fleet.discard_replica(index)
+                self._record(index, "give_up", decision.reason)
+            elif was == "starting" and watch.state == "running" and watch.restarts:
+                self._record(index, "healthy", f"healthy again after restart {watch.attempt}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.policy.poll_secs):
+            try:
+                self.poll_once()
+            except Exception as e:  # one bad poll (a /proc race) must not end the supervision
+                print(f"supervisor: poll failed: {e!r}", file=self.log, flush=True)
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     if proc.poll() is None:
         try:
@@ -143,8 +230,13 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def _stop_group(proc: subprocess.Popen, sig: int, grace: float = 30) -> None:
     """Signal the group, wait `grace`, then SIGKILL the group; reap. The group is killed even when
-    its leader already exited, so an engine child cannot outlive its `vllm serve`."""
-    _signal_group(proc, sig)
+    its leader already exited, so an engine child cannot outlive its `vllm serve`. SIGCONT after the
+    signal: a stopped (SIGSTOPped) group would hold a SIGTERM until continued."""
+    try:
+        os.killpg(proc.pid, sig)
+        os.killpg(proc.pid, signal.SIGCONT)
+    except (ProcessLookupError, PermissionError):
+        pass
     try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:

@@ -1,5 +1,6 @@
 """`beam-hpu demo --replicas 2` as a user runs it: it prints where each process runs, the README's
-request works on the router's port, and SIGTERM stops every process it started (no orphans)."""
+request works on the router's port, a replica killed under it comes back by itself (the demo's
+supervisor), and SIGTERM stops every process it started (no orphans)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +56,20 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() + " "
+    except OSError:
+        return ""
+
+
+def ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -68,13 +84,21 @@ def test_demo_replicas_serves_the_readme_request_and_stops_everything(tmp_path):
                              "--dir", str(tmp_path / "tiny")], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
-    try:
-        deadline = time.monotonic() + 600
-        while not any("Application startup complete" in line for line in lines):
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "".join(lines)
+
+    def read():
+        for line in proc.stdout:
             lines.append(line)
-            assert time.monotonic() < deadline, "".join(lines)
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def wait_line(text, timeout=600):
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.5)
+
+    try:
+        wait_line("Application startup complete")
         out = "".join(lines)
         assert f"replica 0: http://127.0.0.1:{port + 1} (core 0" in out
         assert f"replica 1: http://127.0.0.1:{port + 2} (core 1" in out
@@ -87,6 +111,14 @@ def test_demo_replicas_serves_the_readme_request_and_stops_everything(tmp_path):
             "messages": [{"role": "user", "content": "Repeat after me: Paris"}]}).json()
         message = r["choices"][0]["message"]
         assert message["content"] and message["reasoning"], r
+        # SIGKILL replica 0's API server (a crash): the demo's supervisor starts it again, unasked.
+        replica0 = [p for p in descendants(proc.pid) if f"--port {port + 1} " in cmdline(p) and
+                    "vllm serve" in cmdline(p) and ppid(p) == proc.pid]
+        assert len(replica0) == 1, replica0
+        os.kill(replica0[0], signal.SIGKILL)
+        wait_line(f"supervisor: replica 0 (http://127.0.0.1:{port + 1}): start:")
+        wait_line(f"supervisor: replica 0 (http://127.0.0.1:{port + 1}): healthy:")
+        assert httpx.get(f"http://127.0.0.1:{port + 1}/health", timeout=10).status_code == 200
         started = descendants(proc.pid)
         assert len(started) >= 5  # router, 2 x (API server + engine core)
         proc.send_signal(signal.SIGTERM)

@@ -1,0 +1,86 @@
+"""A replica's processes as Linux shows them in /proc: its tree, its engine core, and what the
+tree holds (resident memory, open file descriptors, threads). Read-only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+# vLLM 0.30 names its engine-core process (setproctitle): `VLLM::EngineCore`; /proc's comm keeps 15 bytes.
+ENGINE_CORE_TITLE = "VLLM::EngineCore"
+
+
+def _stat_fields(pid: int) -> list[str]:
+    # The command name in /proc/PID/stat is in parentheses and may hold spaces: split after it.
+    return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def state(pid: int) -> str | None:
+    """R, S, T (stopped), Z (zombie) ...; None when gone."""
+    try:
+        return _stat_fields(pid)[0]
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in PROC.iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(int(_stat_fields(int(entry.name))[1]), []).append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return sorted(out)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def engine_core_pid(api_server_pid: int) -> int | None:
+    """The engine-core child of a `vllm serve` API server, or None (not started yet, or dead)."""
+    for pid in descendants(api_server_pid):
+        if cmdline(pid).startswith(ENGINE_CORE_TITLE) and state(pid) not in (None, "Z"):
+            return pid
+    return None
+
+
+@dataclass(frozen=True)
+class Usage:
+    rss_mib: float
+    fds: int
+    threads: int
+    processes: int
+
+    def __sub__(self, other: "Usage") -> "Usage":
+        return Usage(self.rss_mib - other.rss_mib, self.fds - other.fds, self.threads - other.threads,
+                     self.processes - other.processes)
+
+
+def usage(root_pid: int) -> Usage:
+    """What `root_pid` and its descendants hold now (processes that vanish while read are skipped)."""
+    rss_kib, fds, threads, n = 0, 0, 0, 0
+    for pid in [root_pid, *descendants(root_pid)]:
+        try:
+            status = (PROC / str(pid) / "status").read_text()
+            fd_count = len(list((PROC / str(pid) / "fd").iterdir()))
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields.get("State", "").strip().startswith("Z"):
+            continue
+        rss_kib += int(fields.get("VmRSS", "0 kB").split()[0])
+        threads += int(fields.get("Threads", "0").strip())
+        fds += fd_count
+        n += 1
+    return Usage(rss_kib / 1024, fds, threads, n)

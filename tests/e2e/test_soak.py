@@ -1,0 +1,174 @@
+"""Issue 28, end to end on one fleet (2 replicas of the tiny trained Beam behind a real
+`vllm-router`, the demo's supervisor restarting replicas), loopback only:
+
+1. what a client sees when its replica's engine core dies under its open stream, through the
+   router and directly (the error event, the next request, the router's retry), and that the
+   replicas come back without anyone calling `restart_replica`;
+2. the soak (beam_hpu/replicas/soak.py, as benchmarks/soak.py runs it, shorter): load with every
+   fault kind; no hung request, no silent truncation, completed answers equal to the unfaulted
+   run's, every fault recovered, survivors' growth under a bound from the same run.
+
+Bounds are generous deadlines, not speeds. Most of the time is replicas starting again (about a
+minute each on 2 quiet cores, up to three under other load): 6 to 12 minutes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from beam_hpu.demo.serve import SERVED_NAME
+from beam_hpu.replicas import procs
+from beam_hpu.replicas.layout import RouterSettings, plan
+from beam_hpu.replicas.restart import RestartPolicy
+from beam_hpu.replicas.soak import (counts, default_schedule, mismatches, report, router_counter, router_view,
+                                    run_soak, summary_ok)
+from beam_hpu.replicas.soak_load import Case, send
+from beam_hpu.replicas.supervisor import Fleet, Supervisor
+from beam_hpu.tiny.checkpoint import TRAINED_DIR
+from tests.support.engines import REPO
+from tests.support.parallel import VLLM_PORT_BASE, WORKER_PORT_SPAN, free_ports, worker_index
+
+pytestmark = pytest.mark.slow
+
+POLICY = RestartPolicy(unhealthy_after_secs=20.0, startup_timeout_secs=600.0)
+ENDLESS = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Repeat after me: Paris"}],
+           "temperature": 0, "max_tokens": 600, "ignore_eos": True, "stream": True}
+SHORT = Case("next", {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Repeat after me: Rome"}],
+                      "temperature": 0, "max_tokens": 16})
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    router_port, port0, port1, metrics_port = free_ports(4)
+    internal = VLLM_PORT_BASE + WORKER_PORT_SPAN * worker_index() + WORKER_PORT_SPAN // 2 + 400
+    layout = plan(TRAINED_DIR, 2, router_port=router_port, replica_ports=[port0, port1], metrics_port=metrics_port,
+                  internal_port_base=internal)
+    f = Fleet(layout, tmp_path_factory.mktemp("soak-logs"), extra_env={"PYTHONPATH": str(REPO)})
+    f.start(timeout=600)
+    sup = Supervisor(f, POLICY).start()
+    f.supervisor, f.metrics_url = sup, f"http://127.0.0.1:{metrics_port}/metrics"
+    yield f
+    sup.stop()
+    f.stop()
+
+
+def wait_fleet_healthy(fleet, timeout=600):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        view = router_view(fleet)
+        if all(view.get(r.url) is True for r in fleet.layout.replicas) and \
+                all(w.state == "running" for w in fleet.supervisor.watches.values()):
+            return
+        time.sleep(1)
+    raise AssertionError(f"fleet not healthy after {timeout}s: {router_view(fleet)}")
+
+
+def open_stream_and_kill_engine(base_url, fleet, chunks_before_kill=3, index=None):
+    """Stream ENDLESS from `base_url`; after a few data events SIGKILL the engine core of the
+    replica running it (`index`, or the one whose /metrics shows a running request). Returns
+    (the data lines after the kill, the replica index)."""
+    known = index
+    lines, after, index = [], [], None
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=ENDLESS, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            (after if index is not None else lines).append(line)
+            if index is None and len(lines) >= chunks_before_kill:
+                index = known if known is not None else running_replica(fleet)
+                os.kill(procs.engine_core_pid(fleet.replica_procs[index].pid), signal.SIGKILL)
+    return after, index
+
+
+def running_replica(fleet) -> int:
+    from beam_hpu.replicas.soak import replica_gauge
+
+    busy = [r.index for r in fleet.layout.replicas if replica_gauge(r.url, "vllm:num_requests_running") > 0]
+    assert len(busy) == 1, busy
+    return busy[0]
+
+
+def assert_error_event_then_done(after):
+    """The engine's death reaches the client as one SSE error event (vLLM's EngineDeadError, HTTP
+    code 500 in the body; the response status was already 200), then [DONE]; no finish_reason."""
+    events = [json.loads(x[6:]) for x in after if x != "data: [DONE]"]
+    errors = [e["error"] for e in events if "error" in e]
+    assert len(errors) == 1, after[-5:]
+    assert errors[0]["code"] == 500 and "EngineCore encountered an issue" in errors[0]["message"], errors
+    assert after[-1] == "data: [DONE]"
+    assert not any(c.get("finish_reason") for e in events for c in e.get("choices") or [])
+
+
+def test_engine_death_mid_stream(fleet):
+    """Through the router first: the open stream sees the error event (the router passes the bytes
+    on; it cannot retry a stream it has started answering), and the next requests are answered
+    HTTP 200 by the other replica. Then directly, on that other replica (the router is not
+    involved): the same event, and the next request finds no server. Both replicas restart at
+    once (one core each), brought back by the supervisor: nobody calls `restart_replica`."""
+    wait_fleet_healthy(fleet)
+    retries = router_counter(fleet.metrics_url, "vllm_router_retries_total")
+    old = dict(fleet.replica_procs)
+    after, a = open_stream_and_kill_engine(fleet.layout.router_url, fleet)
+    assert_error_event_then_done(after)
+    nexts = [send(fleet.layout.router_url, SHORT, deadline=60) for _ in range(4)]
+    assert [o.status for o in nexts] == ["completed"] * 4 and all(o.http == 200 for o in nexts), nexts
+    grown = router_counter(fleet.metrics_url, "vllm_router_retries_total") - retries
+    print(f"router retries during the engine death: {grown:.0f}; next requests took "
+          f"{[round(o.seconds, 2) for o in nexts]} s")
+
+    b = 1 - a
+    url = fleet.layout.replicas[b].url
+    after, _ = open_stream_and_kill_engine(url, fleet, index=b)
+    assert_error_event_then_done(after)
+    # The API server exits by itself (its watchdog, VLLM_KEEP_ALIVE_ON_ENGINE_DEATH unset): the next
+    # request to it finds no server (or, in the moment before it exits, HTTP 500/503).
+    nxt = send(url, SHORT, deadline=30)
+    assert (nxt.status == "broken" and "ConnectError" in nxt.detail) or nxt.http in (500, 503), nxt
+    for i in (a, b):
+        deadline = time.monotonic() + 60
+        while old[i].poll() is None:
+            assert time.monotonic() < deadline, f"replica {i}'s API server still up 60 s after its engine died"
+            time.sleep(0.5)
+    print(f"API server exit codes after the engine died: {[old[i].returncode for i in (a, b)]}")
+
+    wait_fleet_healthy(fleet)
+    for i in (a, b):
+        assert [e.action for e in fleet.supervisor.events_of(i)][:3] == ["kill", "start", "healthy"]
+        assert fleet.replica_procs[i] is not old[i]
+    assert send(url, SHORT, deadline=60).status == "completed"
+    assert send(fleet.layout.router_url, SHORT, deadline=60).status == "completed"
+
+
+def test_soak_with_faults(fleet):
+    wait_fleet_healthy(fleet)
+    s = RouterSettings()
+    # The three faults of the issue; the hang (restarted by the supervisor after 20 s) costs one more
+    # restart here and is in benchmarks/soak.py and tests/replicas/test_supervisor.py instead.
+    schedule = [f for f in default_schedule(s.health_check_interval_secs, s.health_failure_threshold) if f.kind != "hang"]
+    assert [f.kind for f in schedule] == ["kill_engine", "stop", "kill_api"]
+    res = run_soak(fleet, fleet.supervisor, schedule=schedule,
+                   unfaulted_secs=30, tail_secs=10, clients=4, deadline=120, gap_secs=3, recover_timeout=300,
+                   metrics_url=fleet.metrics_url)
+    print(report(res))
+    assert summary_ok(res) == []
+    # What summary_ok says, spelled out: nothing hung, nothing silently truncated, answers equal.
+    for outs in (res.unfaulted, res.faulted):
+        c = counts(outs)
+        assert c.get("hung", 0) == 0 and c.get("truncated", 0) == 0 and c.get("wrong", 0) == 0, c
+    assert mismatches(res.faulted, res.reference) == []
+    # A stream cut by a killed API server is not a clean end: the client's HTTP library raises
+    # (the router closes the chunked body unfinished), so it is `broken`, never `truncated`.
+    for o in res.faulted:
+        if o.status == "broken":
+            assert "incomplete chunked read" in o.detail or "ConnectError" in o.detail or "ReadError" in o.detail, o
+    assert counts(res.unfaulted).get("completed", 0) >= 10 and counts(res.faulted).get("completed", 0) >= 10
+    # Every planned behaviour happened in the unfaulted phase, so none is vacuous.
+    assert {"completed", "refused", "cancelled", "disconnected"} <= set(counts(res.unfaulted))
+    assert all(rec.left_router for rec in res.faults), [(r.fault, r.left_router) for r in res.faults]
+    assert set(res.survivors) == {"router", "replica1"}

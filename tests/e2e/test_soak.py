@@ -36,8 +36,11 @@ from tests.support.parallel import VLLM_PORT_BASE, WORKER_PORT_SPAN, free_ports,
 pytestmark = pytest.mark.slow
 
 POLICY = RestartPolicy(unhealthy_after_secs=20.0, startup_timeout_secs=600.0)
+# Long enough that the kill always lands while it runs, however slow the host's client side is: at
+# 600 tokens (2-3 s on a quiet host) one run on a loaded host saw the stream finish ("length")
+# before the engine core was killed. The demo's context is 4096 tokens.
 ENDLESS = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Repeat after me: Paris"}],
-           "temperature": 0, "max_tokens": 600, "ignore_eos": True, "stream": True}
+           "temperature": 0, "max_tokens": 4000, "ignore_eos": True, "stream": True}
 SHORT = Case("next", {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Repeat after me: Rome"}],
                       "temperature": 0, "max_tokens": 16})
 

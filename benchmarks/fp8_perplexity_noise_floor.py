@@ -41,22 +41,28 @@ def compare(base: torch.Tensor, other: torch.Tensor, ids: list[int], positions: 
     return f"{change:+.2%} KL {kl:.4f}"
 
 
+def checkpoint_and_passages(workdir: str) -> tuple[Path, dict]:
+    """The checkpoint named on the command line, or the tiny trained Beam quantised into `workdir`;
+    and the CPU gate profile's passages for it (name -> (token ids, scored flags))."""
+    if len(sys.argv) > 1:
+        checkpoint = Path(sys.argv[1])
+    else:
+        from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
+        from beam_hpu.tiny.checkpoint import TRAINED_DIR
+
+        checkpoint = quantize_checkpoint(TRAINED_DIR, Path(workdir) / "fp8")
+    tok = AutoTokenizer.from_pretrained(str(checkpoint))
+
+    class Tokenizer:  # cpu_passages asks an endpoint to tokenize; the local tokenizer is the same
+        def tokenize(self, text):
+            return tok(text, add_special_tokens=False).input_ids
+
+    return checkpoint, P.cpu_passages(Tokenizer(), get_profile("cpu"), checkpoint)
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as d:
-        if len(sys.argv) > 1:
-            checkpoint = Path(sys.argv[1])
-        else:
-            from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
-            from beam_hpu.tiny.checkpoint import TRAINED_DIR
-
-            checkpoint = quantize_checkpoint(TRAINED_DIR, Path(d) / "fp8")
-        tok = AutoTokenizer.from_pretrained(str(checkpoint))
-
-        class Tokenizer:  # cpu_passages asks an endpoint to tokenize; the local tokenizer is the same
-            def tokenize(self, text):
-                return tok(text, add_special_tokens=False).input_ids
-
-        passages = P.cpu_passages(Tokenizer(), get_profile("cpu"), checkpoint)
+        checkpoint, passages = checkpoint_and_passages(d)
         nudged = R.load_reference(checkpoint)
         for m in nudged.beam_fp8_modules:
             setattr(m, R.INPUT_QUANT_ATTR, lambda x, fp8_max=R.FP8_E4M3FN_MAX: R.fake_quant_per_token(x * (1 + 1e-7), fp8_max))

@@ -16,21 +16,18 @@ These are CPU numbers of a 2.7 MB model, not a measurement of Beam-501B on Gaudi
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
-from beam_hpu.gates import perplexity as P
-from beam_hpu.gates.profile import get_profile
 from beam_hpu.quant.rounding import DEFAULT_KV_SCALE, FP8_E4M3FN_MAX, GAUDI2_FP8_MAX, fp8_kv_round
 from beam_hpu.reference import kv_fp8
 from beam_hpu.reference.in_memory import load_reference, next_token_logprobs
 from beam_hpu.reference.kv_calibration import calibrate_kv
 from beam_hpu.reference.kv_overlay import read_kv_scales
 from beam_hpu.reference.plan import Passage
+from fp8_perplexity_noise_floor import checkpoint_and_passages  # the same model and passages
 
 
 def summary(base: dict, other: dict, passages: dict) -> str:
@@ -50,20 +47,7 @@ def summary(base: dict, other: dict, passages: dict) -> str:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as d:
-        if len(sys.argv) > 1:
-            checkpoint = Path(sys.argv[1])
-        else:
-            from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
-            from beam_hpu.tiny.checkpoint import TRAINED_DIR
-
-            checkpoint = quantize_checkpoint(TRAINED_DIR, Path(d) / "fp8")
-        tok = AutoTokenizer.from_pretrained(str(checkpoint))
-
-        class Tokenizer:  # cpu_passages asks an endpoint to tokenize; the local tokenizer is the same
-            def tokenize(self, text):
-                return tok(text, add_special_tokens=False).input_ids
-
-        passages = P.cpu_passages(Tokenizer(), get_profile("cpu"), checkpoint)
+        checkpoint, passages = checkpoint_and_passages(d)
         print(f"checkpoint {checkpoint}; passages (tokens, scored): "
               + ", ".join(f"{n} ({len(i)}, {sum(map(bool, s))})" for n, (i, s) in passages.items()))
         overlay = Path(d) / "overlay"

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from beam_hpu.loader.checkpoint import INDEX_NAME, CheckpointError, open_checkpoint
+from beam_hpu.reference.workdir import atomic_write
 
 SHARD_NAME = "kv-scales-beam-hpu.safetensors"
 OVERLAY_FORMAT = "beam-kv-scales/1"
@@ -99,11 +100,11 @@ def write_overlay(checkpoint_dir: str | Path, out: str | Path, scales: dict[int,
         for f in sorted(src.iterdir()):
             if f.name not in ("config.json", INDEX_NAME):
                 (out / f.name).symlink_to(f)
-    _atomic_write(out / SHARD_NAME, save(tensors, metadata={"format": OVERLAY_FORMAT, **metadata}))
+    atomic_write(out / SHARD_NAME, save(tensors, metadata={"format": OVERLAY_FORMAT, **metadata}))
     for name, text in ((INDEX_NAME, json.dumps(index, indent=2)), ("config.json", json.dumps(config, indent=2))):
         if in_place and (src / name).exists():
             shutil.copy2(src / name, src / (name + BACKUP_SUFFIX))
-        _atomic_write(out / name, (text + "\n").encode())
+        atomic_write(out / name, (text + "\n").encode())
     return out
 
 
@@ -135,12 +136,3 @@ def read_kv_scales(directory: str | Path):
     if not found:
         raise ValueError(f"--kv-scales {directory}: no self_attn.k_scale / v_scale tensors")
     return KvScales({i: (s["k"], s["v"]) for i, s in found.items()}, str(directory))
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -69,7 +69,7 @@ class Workdir:
                 raise WorkdirError(f"{self.directory} holds a run of another checkpoint, passages or options "
                                    f"(see {run}); remove it or pass another --workdir")
         else:
-            _atomic_write(run, (json.dumps({"format": WORK_FORMAT, "fingerprint": self.fingerprint,
+            atomic_write(run, (json.dumps({"format": WORK_FORMAT, "fingerprint": self.fingerprint,
                                             "run": description}, indent=1) + "\n").encode())
         for stale in self.directory.glob("*.tmp-*"):  # a write the last run was killed in
             stale.unlink()
@@ -109,13 +109,14 @@ class Workdir:
         meta = {"format": WORK_FORMAT, "fingerprint": self.fingerprint, "layer": str(layer),
                 "sha256": tensors_sha256(states)}
         path = layer_file(self.directory, layer)
-        _atomic_write(path, save(states, metadata=meta))
+        atomic_write(path, save(states, metadata=meta))
         for old in self.layers()[:-KEEP_LAYER_FILES]:
             layer_file(self.directory, old).unlink()
         return path
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """`data` at `path`, whole or not at all (a temp file, fsynced, renamed over it)."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)

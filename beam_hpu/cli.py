@@ -65,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     kv_calibration.add_arguments(c)
     c.set_defaults(func=kv_calibration.run_cli)
     args = parser.parse_args(argv)
-    return args.func(args)
+    if argv is not None:  # called from Python: the caller gets the exception
+        return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input (CheckpointError included): one line naming the culprit, no traceback
+        print(f"beam-hpu {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -115,6 +115,8 @@ def read_kv_scales(directory: str | Path):
     from beam_hpu.reference.kv_fp8 import KvScales
 
     directory = Path(directory).resolve()
+    if not directory.is_dir():
+        raise ValueError(f"--kv-scales {directory}: not a directory (an overlay written by `beam-hpu calibrate-kv`)")
     qc = _config(directory).get("quantization_config") or {}
     if qc.get("kv_cache_scheme") is None:
         raise ValueError(f"--kv-scales {directory}: config.json has no kv_cache_scheme (write one with "

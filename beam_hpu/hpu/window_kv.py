@@ -222,3 +222,42 @@ def sliding_blocks_bound(window: int, block_size: int, tokens_in_flight: int) ->
 def sliding_group_windows(group_specs: Mapping[int, int | None]) -> dict[int, GroupGeometry]:
     """Group index -> its geometry, from each group's sliding window (None = full attention)."""
     return {gid: GroupGeometry(window) for gid, window in group_specs.items()}
+
+
+class GroupedMetadata(dict):
+    """One step's attention metadata under a window-sized cache: layer name -> its KV-cache
+    group's metadata (the dict vLLM's forward context and vllm-gaudi's attention pick from by
+    `attn_metadata[layer_name]`), plus the step-wide view every other reader of the runner's
+    `attn_metadata` expects: attribute access (`.is_prompt`, `.seq_len()`, `.num_blocks()`,
+    `.block_list`, ...) reads the primary group's metadata, the full-attention group's, whose
+    block counts are the step's largest (what bucketing and graph selection go by).
+
+    `groups[g]` is group g's metadata; `map_groups(fn)` applies fn to each group's once (not once
+    per layer: 52 layers share 6 metadata objects) and keeps the layer assignment."""
+
+    def __init__(self, groups: Sequence, group_layer_names: Sequence[Sequence[str]], primary: int = 0):
+        if not 0 <= primary < len(groups):
+            raise ValueError(f"primary group {primary} of {len(groups)} groups")
+        super().__init__(per_layer_metadata(groups, group_layer_names))
+        self.groups = list(groups)
+        self.group_layer_names = [list(names) for names in group_layer_names]
+        self.primary = primary
+
+    def __getattr__(self, name: str):
+        # Only names not found on the dict itself land here; the instance's own fields are set
+        # in __init__, so a missing one (during unpickling, say) must not recurse.
+        if name in ("groups", "group_layer_names", "primary") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.groups[self.primary], name)
+
+    def map_groups(self, fn) -> "GroupedMetadata":
+        return GroupedMetadata([fn(md) for md in self.groups], self.group_layer_names, self.primary)
+
+    def __reduce__(self):
+        return (GroupedMetadata, (self.groups, self.group_layer_names, self.primary))
+
+
+def primary_group(group_windows: Sequence[int | None]) -> int:
+    """The group whose metadata stands for the step: the first full-attention group (the
+    largest block counts), or group 0 if every group slides."""
+    return next((g for g, w in enumerate(group_windows) if w is None), 0)

@@ -117,3 +117,30 @@ def test_per_layer_metadata_maps_each_layer_to_its_group():
     assert wkv.per_layer_metadata([sliding, full], groups) == {"s0": sliding, "s1": sliding, "f0": full}
     with pytest.raises(ValueError, match="1 metadata for 2"):
         wkv.per_layer_metadata([full], groups)
+
+
+# ------------------------------------------------------------------ one step's grouped metadata
+
+
+def test_grouped_metadata_per_layer_and_step_view():
+    from types import SimpleNamespace
+
+    full = SimpleNamespace(is_prompt=False, block_list=[1, 2, 3], num_blocks=lambda: 3)
+    sliding = SimpleNamespace(is_prompt=False, block_list=[3], num_blocks=lambda: 1)
+    groups = [["l1", "l3"], ["l0", "l2"]]
+    windows = [None, 8]
+    md = wkv.GroupedMetadata([full, sliding], groups, wkv.primary_group(windows))
+    assert isinstance(md, dict) and md["l1"] is full and md["l0"] is sliding and len(md) == 4
+    assert md.block_list == [1, 2, 3] and md.num_blocks() == 3  # the full group's view
+    calls = []
+    mapped = md.map_groups(lambda m: calls.append(m) or SimpleNamespace(n=len(m.block_list)))
+    assert calls == [full, sliding]  # once per group, not once per layer
+    assert mapped["l3"].n == 3 and mapped["l2"].n == 1 and mapped.primary == 0
+    with pytest.raises(AttributeError):
+        md.no_such_field
+    import pickle
+    again = pickle.loads(pickle.dumps(wkv.GroupedMetadata([1, 2], groups, 1)))
+    assert again["l0"] == 2 and again.groups == [1, 2] and again.primary == 1
+    assert wkv.primary_group([8, 8, None]) == 2 and wkv.primary_group([8, 8]) == 0
+    with pytest.raises(ValueError, match="primary group 2 of 2"):
+        wkv.GroupedMetadata([full, sliding], groups, 2)

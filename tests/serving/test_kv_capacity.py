@@ -91,8 +91,8 @@ def test_the_window_cache_groups_like_vllm_and_holds_over_5x_the_bf16_full_pool(
     assert win["sliding_groups"] == 5 and win["bytes_per_token"] == 9 * 512
     # The same bytes over 9 layers' pages instead of 52.
     assert bf16["blocks"] * 52 // 9 <= win["blocks"] <= (bf16["blocks"] + 1) * 52 // 9
-    # FP8 halves the page; the worker's dummy block (one page of all 52 layers) halves too and
-    # leaves 52/9 / 2 = 2.9 bf16 blocks' bytes more, about 6 FP8 window blocks.
+    # FP8 halves the page; the worker's dummy block (one page of all 52 layers) is half as many
+    # bytes too, which leaves 26 FP8 pages' bytes more: about 52/9 = 6 FP8 window blocks.
     assert 2 * win["blocks"] <= fp8["blocks"] <= 2 * win["blocks"] + 8
     pool = kc.context_tokens(win["blocks"], 128, 16, 5, 5)
     assert pool >= 5 * bf16["tokens"]

@@ -71,9 +71,16 @@ class TreeRun:
                        is_fake_hpu=lambda: True, custom_tuple_replace=replace)
         process = load(runner, "process_metadata", PROCESSOR_CLS)
         self.processed = []  # (the metadata process_metadata was given, what it returned)
+        # FusedSDPA prompts (the recipe's), window SDPA off: the prompt masks come from the block lists.
         processor = SimpleNamespace(interleaved_sliding_window=True, sliding_window=WINDOW, block_size=BS,
-                                    prefill_use_fusedsdpa=False, vllm_config=vllm_config)
+                                    prefill_use_fusedsdpa=True, use_window_sdpa=False, slice_size=1024,
+                                    slice_thld=8192, vllm_config=SimpleNamespace(model_config=SimpleNamespace(
+                                        hf_config=SimpleNamespace(model_type="beam"))))
         processor._set_block_mapping = lambda *a, **k: mapping(processor, *a, **k)
+        for name in ("_set_attn_bias", "_set_attn_bias_for_sliding_window"):
+            fn = load(runner, name, PROCESSOR_CLS, torch=torch, math=math, custom_tuple_replace=replace)
+            setattr(processor, name, (lambda f: lambda *a, **k: f(processor, *a, **k))(fn))
+        self.process_alone = lambda md, *args: process(processor, md, *args)
 
         def recorded_process(md, *args):
             out = process(processor, md, *args)
@@ -327,3 +334,53 @@ def test_plain_metadata_takes_the_stock_path(vllm_config, tmp_path):
     for field in a._fields:
         x, y = getattr(a, field), getattr(b, field)
         assert (torch.equal(x, y) if torch.is_tensor(x) else x == y), field
+
+
+def test_prompt_groups_are_processed_and_marked_each_from_their_own_context(tree, vllm_config):
+    """A prefill chunk after cached context: each group's context blocks (the whole context in the
+    full group, the window-trimmed context in sliding groups, from vLLM's manager's tables) get
+    their own prompt masks, every group's block list is marked unbacked, and each layer's
+    attention gets its group's: the same record the processor makes of that group alone."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    cluster = Cluster(tree, seed=4)
+    run = TreeRun(tree.root, vllm_config)
+    run.use_layers([(n, w) for names, w in zip(cluster.groups, cluster.windows) for n in names])
+    ctx, chunk = 30, 6
+    req = Request("p0", list(range(ctx + chunk)), SamplingParams(max_tokens=4), None)
+    assert cluster.manager.allocate_slots(req, ctx) is not None
+    req.num_computed_tokens = ctx
+    assert cluster.manager.allocate_slots(req, chunk) is not None
+    tables = cluster.manager.get_block_ids("p0")
+    records = []
+    for gid, window in enumerate(cluster.windows):
+        context = wkv.group_prefill_context([tables[gid]], [ctx], wkv.GroupGeometry(window), BS)[0]
+        slots = wkv.group_slots(tables[gid], range(ctx, ctx + chunk), BS)
+        blocks = torch.tensor(context, dtype=torch.long)
+        records.append(run.record_cls(is_prompt=True, block_size=BS, block_list=blocks,
+                                      window_block_list=None if window is None else blocks,
+                                      context_lens_tensor=torch.tensor([ctx]), seq_lens_tensor=torch.tensor([chunk]),
+                                      slot_mapping=torch.tensor([slots])))
+    md = wkv.GroupedMetadata(records, cluster.groups, wkv.primary_group(cluster.windows))
+    assert len({r.block_list.numel() for r in records}) == 2  # the full context and the window's
+    token_ids = torch.zeros((1, chunk), dtype=torch.int32)
+    run.execute(run.runner, token_ids, token_ids.clone(), md, torch.tensor([chunk - 1]), None, None, None)
+    if not tree.port:  # one processing, the primary's block list marked, every layer the primary's
+        assert len(run.processed) == 1 and [id(t) for t in run.marked] == [id(md.groups[md.primary].block_list)]
+        sliding = next(n for names, w in zip(cluster.groups, cluster.windows) if w for n in names)
+        assert run.seen[sliding].block_list.numel() != records[cluster.groups.index(
+            next(g for g in cluster.groups if sliding in g))].block_list.numel()
+        return
+    assert [id(t) for t in run.marked] == [id(r.block_list) for r in records]
+    assert len(run.processed) == len(records)
+    for gid, names in enumerate(cluster.groups):
+        alone = run.process_alone(run.trim(records[gid]), 1, chunk, "cpu", torch.float32, False)
+        for name in names:
+            seen = run.seen[name]
+            for field in ("attn_bias", "window_attn_bias", "block_list"):
+                a, b = getattr(seen, field), getattr(alone, field)
+                assert (a is None and b is None) or torch.equal(a, b), (name, field)
+        # The masks span this group's own context: its blocks, then the chunk.
+        bias = run.seen[names[0]].window_attn_bias if cluster.windows[gid] else run.seen[names[0]].attn_bias
+        assert bias.shape[-1] == records[gid].block_list.numel() * BS + chunk

@@ -38,13 +38,19 @@ from beam_hpu.hpu.window_kv import GroupedMetadata
 TrimmedGroupedMetadata = namedtuple("TrimmedGroupedMetadata", "groups group_layer_names primary")
 
 
+def is_grouped(metadata) -> bool:
+    """A step's per-group metadata, trimmed or not (what HpuModelAdapter.forward processes per
+    group: a path that hands it the untrimmed GroupedMetadata is served the same way)."""
+    return isinstance(metadata, (TrimmedGroupedMetadata, GroupedMetadata))
+
+
 def trim_groups(metadata: GroupedMetadata, trim) -> TrimmedGroupedMetadata:
     """`trim` (the tree's trim_attn_metadata) applied to each group's metadata once."""
     return TrimmedGroupedMetadata(tuple(trim(md) for md in metadata.groups),
                                   tuple(tuple(names) for names in metadata.group_layer_names), metadata.primary)
 
 
-def process_groups(trimmed: TrimmedGroupedMetadata, process) -> GroupedMetadata:
+def process_groups(trimmed: TrimmedGroupedMetadata | GroupedMetadata, process) -> GroupedMetadata:
     """`process` (the metadata processor's process_metadata for this step's shapes) applied to each
     group's trimmed metadata once; the result maps every layer to its group's."""
     return GroupedMetadata([process(md) for md in trimmed.groups], trimmed.group_layer_names, trimmed.primary)

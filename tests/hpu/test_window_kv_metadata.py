@@ -62,6 +62,8 @@ def test_trim_and_process_run_once_per_group_and_keep_each_layers_group():
         processed_calls.append(g)
         return g._replace(block_size=g.block_size * 10)
 
+    assert wkm.is_grouped(trimmed) and wkm.is_grouped(md) and not wkm.is_grouped(md.groups[0])
+    assert not wkm.is_grouped({name: trim(g) for name, g in md.items()})  # a plain per-layer dict
     out = wkm.process_groups(trimmed, process)
     assert processed_calls == list(trimmed.groups)
     assert isinstance(out, wkv.GroupedMetadata) and out.primary == 0

@@ -10,6 +10,7 @@ device memory to measure), the runner (its specs and the HPU backend's get_kv_ca
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -86,3 +87,46 @@ def test_worker_profile_of_full_specs_is_the_same_in_both_trees(tree, beam_confi
     assert worker_profile(tree, beam_config, specs) == FAKE_HPU_BYTES
     forward = beam_config.compilation_config.static_forward_context
     assert {forward[n].kv_cache[0].shape for n in specs} == {(BS, HEADS, HEAD)}
+
+
+class NoMemoryProfiler:
+    """HabanaMemoryProfiler without a device to measure: a context that reports nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def get_summary_string(self):
+        return "(not measured on the host)"
+
+
+def test_wake_up_rebuilds_the_cache_and_hands_the_defragmenter_each_buffer_once(tree, beam_config, unbound):
+    # Sleep mode's wake-up re-initialises the KV cache through the runner's own initialize_kv_cache
+    # and builds a new OnlineDefragmenter: with a window-sized cache it gets the 9 buffers.
+    if not tree.port:
+        pytest.skip("the stock tree cannot allocate a window-sized config (test_window_kv_cache_tree.py)")
+    from test_window_kv_cache_tree import runner_for_kv_init, window_kv_config
+    from test_window_kv_defrag import ROOT_ENV, tree_defragmenter_class
+
+    kc = window_kv_config(beam_config)
+    runner, initialize = runner_for_kv_init(tree, beam_config, runner_module_globals(tree.runner))
+    runner.initialize_kv_cache = initialize.__get__(runner)
+    globals_ = {**runner_module_globals(tree.root / WORKER), "HabanaMemoryProfiler": NoMemoryProfiler,
+                "OnlineDefragmenter": tree_defragmenter_class(Path(ROOT_ENV)),
+                "htorch": SimpleNamespace(utils=SimpleNamespace(internal=SimpleNamespace(is_lazy=lambda: False))),
+                "torch": SimpleNamespace(hpu=SimpleNamespace(synchronize=lambda: None))}
+    wake_up = load(tree.root / WORKER, "wake_up", "HPUWorker", **globals_)
+    worker = SimpleNamespace(model_runner=runner, kv_cache_sleeping=True, kv_cache_config=kc, model_sleeping=False,
+                             model_config=SimpleNamespace(enforce_eager=False))
+    wake_up(worker, ["kv_cache"])
+    assert not worker.kv_cache_sleeping
+    assert len(runner.kv_caches) == 52
+    held = runner.defragmenter.kv_caches
+    assert len(held) == 9 and len({c[0].untyped_storage().data_ptr() for c in held}) == 9
+    # The public tree's own wake_up (without the unit) hands it every layer's entry: 52.
+    stock_wake_up = load(Path(ROOT_ENV) / WORKER, "wake_up", "HPUWorker", **globals_)
+    runner.kv_caches, worker.kv_cache_sleeping = [], True
+    stock_wake_up(worker, ["kv_cache"])
+    assert len(runner.defragmenter.kv_caches) == 52

@@ -37,6 +37,8 @@ export BEAM_GRAMMAR_DEVICE_MASK=1
 # benchmarks/decode_model.py models 35-64 tok/s against 29 if the step is bandwidth-bound (a model,
 # not a measurement: the Verified figures ran without it; BEAM_MOE_GATHER=0 is the stock op).
 export BEAM_MOE_GATHER=1
+# Window-sized KV for the 43 sliding layers (port unit beam-window-kv-cache): off until a card run confirms it.
+export BEAM_WINDOW_KV=0
 # serving/launch-speculative.sh serves with its own bucket file (recipe.yaml speculative.env).
 if [ -n "${VARIANT_BUCKETING_FROM_FILE:-}" ]; then VLLM_BUCKETING_FROM_FILE=$VARIANT_BUCKETING_FROM_FILE; fi
 

@@ -195,6 +195,23 @@ SWITCHES: dict[str, Switch] = _switches(
         "(benchmarks/decode_model.py, a model, not a measurement).",
     ),
     Switch(
+        "BEAM_WINDOW_KV",
+        "0",
+        parse_bool,
+        "1: a window-sized KV cache for Beam's 43 sliding-window layers on HPU "
+        "(beam_hpu.hpu.window_kv_cache): vllm-gaudi's runner gives each of them vLLM's "
+        "SlidingWindowSpec (window 512) instead of a full-attention spec, so vLLM's KV-cache "
+        "manager forms hybrid groups (1 full + 5 sliding), frees the blocks a window has left, "
+        "and a token costs the 9 full layers' K/V instead of 52 layers' (about 5.7x the KV "
+        "pool); the runner allocates 9 shared K/V buffers plus its pad block, one block table "
+        "per group, and hands the defragmenter each buffer once. 0: vllm-gaudi's stock cache, "
+        "full-context K/V for every layer. Beam only (model type beam; any other model keeps "
+        "the stock specs whatever it says). Read on HPU by the port unit beam-window-kv-cache "
+        "(HPUModelRunner.get_kv_cache_spec); the step metadata per group and the runner's "
+        "consumer side are other units of issue 26. Off in the recipe until a card run "
+        "confirms it.",
+    ),
+    Switch(
         "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT",
         "1",
         parse_bool,

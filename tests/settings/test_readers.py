@@ -104,3 +104,12 @@ def test_moe_gather_is_read_on_hpu_only_through_its_port_unit():
     assert "BEAM_MOE_GATHER" not in without
     assert "beam_hpu/cpu/portable_fp8_moe.py" not in code_readers()["BEAM_MOE_GATHER"]  # via moe_gather
     assert "beam_hpu/hpu/moe_gather.py" in code_readers()["BEAM_MOE_GATHER"]
+
+
+def test_window_kv_is_read_on_hpu_only_through_its_port_unit():
+    # BEAM_WINDOW_KV: only beam-window-kv-cache's get_kv_cache_spec edit reads it (through
+    # hpu_window_kv_enabled -> window_kv_enabled); without the unit the switch acts on nothing.
+    assert hpu_readers()["BEAM_WINDOW_KV"] == ["beam_hpu.hpu.window_kv_cache:window_kv_enabled"]
+    without = hpu_readers([p for p in port_units() if p.stem != "beam-window-kv-cache"])
+    assert "BEAM_WINDOW_KV" not in without
+    assert code_readers()["BEAM_WINDOW_KV"] == ["beam_hpu/hpu/window_kv_cache.py"]

@@ -16,6 +16,7 @@ ISSUE_SWITCHES = {
     "BEAM_FSDPA_Q_TILE",
     "BEAM_GRAMMAR_DEVICE_MASK",
     "BEAM_MOE_GATHER",
+    "BEAM_WINDOW_KV",
     "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT",
     "VLLM_BEAM_STREAM_TOOL_ARGS",
 }
@@ -42,6 +43,7 @@ def test_defaults_parse_and_are_what_the_recipe_sets():
         "BEAM_FSDPA_Q_TILE": 256,
         "BEAM_GRAMMAR_DEVICE_MASK": True,
         "BEAM_MOE_GATHER": 1,
+        "BEAM_WINDOW_KV": False,
         "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT": True,
         "VLLM_BEAM_STREAM_TOOL_ARGS": True,
         "BEAM_ALLOW_EAGER": False,

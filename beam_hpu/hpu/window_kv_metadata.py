@@ -14,7 +14,8 @@ The path of a step's metadata through the tree, and what each stop needs:
    namedtuples and the (constant) layer names of each group. The PT bridge's `input_hash` hashes
    tuples element by element, tensors by shape (and view), and anything else by value: here only
    the layer-name strings and the group index are hashed by value, and they never change within a
-   process, so the graph key depends on the groups' tensor shapes alone. Each group's tensors
+   process, so the graph key depends on the groups' tensor shapes alone (an object made per step
+   there, say a layout record, would hash by identity: a new graph every step). Each group's tensors
    appear once among the graph's inputs; the per-layer dict (52 entries over 6 groups) would list
    each tensor 9 times, and the bridge copies every listed input tensor at replay.
 3. `HpuModelAdapter.forward` post-processes each group once (`process_groups`: block mapping and

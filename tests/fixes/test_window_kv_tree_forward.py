@@ -91,7 +91,8 @@ class TreeRun:
         self.marked = []
         from vllm.forward_context import get_forward_context, set_forward_context
 
-        adapter_forward = load(runner, "forward", "HpuModelAdapter", LoraMask=SimpleNamespace(setLoraMask=lambda m: None),
+        no_lora = SimpleNamespace(setLoraMask=lambda m: None)
+        adapter_forward = load(runner, "forward", "HpuModelAdapter", LoraMask=no_lora,
                                set_forward_context=set_forward_context,
                                set_hpu_dp_metadata=lambda *a: contextlib.nullcontext(),
                                _mark_unbacked_dim0=self.marked.append)
@@ -117,15 +118,16 @@ class TreeRun:
 
         self.runner = SimpleNamespace(seen_configs=set(), debug_fwd=None, model_has_chunked_attention=False,
                                       is_driver_worker=True, use_aux_hidden_state_outputs=False,
-                                      model_config=SimpleNamespace(enforce_eager=False), max_cudagraph_capture_size=8192,
+                                      model_config=SimpleNamespace(enforce_eager=False),
+                                      max_cudagraph_capture_size=8192,
                                       profiler=SimpleNamespace(record_event=lambda *a: contextlib.nullcontext()),
                                       model=SimpleNamespace(forward=graph_wrapper, compute_logits=lambda h: h))
         for name in ("_seq_len", "_num_blocks", "_check_config", "_use_graphs"):
             fn = load(runner, name, RUNNER_CLS, logger=logging.getLogger("gaudi_tree"))
             setattr(self.runner, name, (lambda f: lambda *a, **k: f(self.runner, *a, **k))(fn))
         self.execute = load(runner, "_execute_model_generic", RUNNER_CLS, trim_attn_metadata=self.trim,
-                            htorch=SimpleNamespace(utils=SimpleNamespace(internal=SimpleNamespace(is_lazy=lambda: True))),
-                            LoraMask=SimpleNamespace(setLoraMask=lambda m: None))
+                            htorch=SimpleNamespace(utils=SimpleNamespace(internal=SimpleNamespace(
+                                is_lazy=lambda: True))), LoraMask=no_lora)
         self.record_cls = metadata_record(dataclass_fields(root), load(
             root / "vllm_gaudi/v1/attention/backends/hpu_attn.py", "seq_len", "HPUAttentionMetadataV1"), load(
             root / "vllm_gaudi/v1/attention/backends/hpu_attn.py", "num_blocks", "HPUAttentionMetadataV1"))

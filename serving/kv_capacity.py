@@ -1,7 +1,7 @@
 """KV tokens per replica at the recipe's memory figures, for bf16 and FP8 KV: a model, computed with
 vLLM's own KV-cache sizing from the specs vllm-gaudi's runner emits.
 
-    python -m serving.kv_capacity            # the table, with every input and assumption printed
+    python -m serving.kv_capacity            # the tables, with every input and assumption printed
 
 The chain, each step from the code that does it (vllm-gaudi 091bbadd, vLLM 0.30.0):
 1. specs: `HPUModelRunner.get_kv_cache_spec` emits a `FullAttentionSpec(block_size, num_kv_heads,
@@ -13,6 +13,13 @@ The chain, each step from the code that does it (vllm-gaudi 091bbadd, vLLM 0.30.
    and reports the rest minus one dummy block (one page of every layer) (`kv_cache_bytes`);
 3. blocks: vLLM's `get_kv_cache_config_from_groups` divides that by the bytes of one block of
    every layer (`pool_blocks`), and logs `num_blocks * block_size` as the KV cache size.
+Under a window-sized KV cache (issue 26, BEAM_WINDOW_KV=1) the 43 sliding layers get
+`SlidingWindowSpec` (window 512; `window_layer_specs`, by beam_hpu.hpu.window_kv's own rules) and
+vLLM's `get_kv_cache_groups` forms 1 full + 5 sliding groups of 9 layers over 9 shared buffers, so
+a block costs 9 layers' pages instead of 52; the same bytes are divided by vLLM's same function
+(`pool_table`). A sequence then holds its context in the full group plus at most 5 blocks in each
+sliding group (window_block_count): the pool's context tokens are what is left for the full group
+once each of the 16 sequences holds its sliding blocks.
 The one input this cannot know on CPU is F (per-card HBM minus the weights, the runtime and the
 profile run's peak workspace): the recipe prints only its graph share, 12.84 GiB = F * 0.90 * 0.4,
 rounded to 0.01 GiB, so F is known to that interval and the pool to a few blocks of it
@@ -28,6 +35,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+
+from beam_hpu.hpu.window import window_block_count
 
 GIB = 2**30
 RECIPE_POOL_TOKENS = 776_448  # the published recipe's "KV pool ... per replica"
@@ -71,6 +80,22 @@ def layer_specs(shape: AttentionShape, block_size: int, dtype: torch.dtype) -> d
             for i in range(shape.num_layers)}
 
 
+# Beam-1.0's layer_types: full attention on every 6th layer and the last; the rest slide over 512.
+BEAM_FULL_ATTENTION_LAYERS = frozenset(i for i in range(BEAM_501B_TP8.num_layers) if (i + 1) % 6 == 0
+                                       or i == BEAM_501B_TP8.num_layers - 1)
+BEAM_SLIDING_WINDOW = 512
+
+
+def window_layer_specs(specs: dict, window: int = BEAM_SLIDING_WINDOW,
+                       full_layers: frozenset = BEAM_FULL_ATTENTION_LAYERS) -> dict:
+    """The specs under a window-sized cache: a SlidingWindowSpec for each sliding layer (in the
+    order of `specs`, layer i), the FullAttentionSpec for the others."""
+    from beam_hpu.hpu.window_kv import allocation_windows, window_kv_spec
+
+    windows = allocation_windows({name: None if i in full_layers else window for i, name in enumerate(specs)})
+    return {name: window_kv_spec(spec, windows[name]) for name, spec in specs.items()}
+
+
 def kv_bytes_per_token(specs: dict) -> float:
     """Per card, summed over layers (a layer's page holds block_size tokens of K and V)."""
     return sum(s.page_size_bytes / s.block_size for s in specs.values())
@@ -83,16 +108,31 @@ def kv_cache_bytes(specs: dict, memory: MemoryFigures) -> int:
     return int(usable * (1 - memory.graph_reserved) - dummy_block)
 
 
-def pool_blocks(specs: dict, available_bytes: int, block_size: int) -> int:
-    """vLLM's own division: get_kv_cache_config_from_groups over one group of every layer."""
+def _division_config(block_size: int) -> SimpleNamespace:
+    """What vLLM's grouping and division read of the engine's config."""
     from vllm.config import AttentionConfig, CacheConfig
-    from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs, get_kv_cache_config_from_groups
 
     cache = CacheConfig(block_size=block_size)
     cache.kv_cache_layout = "LBHNC"  # resolved by the engine core normally; the division ignores it
-    config = SimpleNamespace(cache_config=cache, attention_config=AttentionConfig())  # what the function reads
-    groups = create_kv_cache_group_specs(specs, [list(specs)])
-    return get_kv_cache_config_from_groups(config, groups, available_bytes).num_blocks
+    return SimpleNamespace(cache_config=cache, attention_config=AttentionConfig(), speculative_config=None,
+                           scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False))
+
+
+def kv_cache_groups(specs: dict, block_size: int) -> list:
+    """vLLM's own grouping (get_kv_cache_groups): one group of every layer for full specs alone,
+    1 full + 5 sliding groups of 9 for Beam's window specs."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
+    return get_kv_cache_groups(_division_config(block_size), dict(specs))
+
+
+def pool_blocks(specs: dict, available_bytes: int, block_size: int, groups: list | None = None) -> int:
+    """vLLM's own division: get_kv_cache_config_from_groups over one group of every layer (or over
+    the given groups)."""
+    from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs, get_kv_cache_config_from_groups
+
+    groups = groups or create_kv_cache_group_specs(specs, [list(specs)])
+    return get_kv_cache_config_from_groups(_division_config(block_size), groups, available_bytes).num_blocks
 
 
 def free_from_graph_reserve(graph_gib: float, memory: MemoryFigures) -> float:
@@ -119,6 +159,58 @@ def capacity(shape: AttentionShape, memory: MemoryFigures, block_size: int, dtyp
     blocks = pool_blocks(specs, available, block_size)
     return {"bytes_per_token": kv_bytes_per_token(specs), "kv_cache_bytes": available, "blocks": blocks,
             "tokens": blocks * block_size}
+
+
+def window_capacity(shape: AttentionShape, memory: MemoryFigures, block_size: int, dtype: torch.dtype) -> dict:
+    """capacity() under a window-sized cache: the same worker split (its dummy block is one page of
+    every layer either way), vLLM's grouping and division over the window specs."""
+    specs = window_layer_specs(layer_specs(shape, block_size, dtype))
+    groups = kv_cache_groups(specs, block_size)
+    available = kv_cache_bytes(specs, memory)
+    blocks = pool_blocks(specs, available, block_size, groups)
+    sliding = sum(1 for g in groups if getattr(g.kv_cache_spec, "sliding_window", None) is not None)
+    group_layers = max(len(g.layer_names) for g in groups)
+    return {"kv_cache_bytes": available, "blocks": blocks, "sliding_groups": sliding,
+            "bytes_per_token": group_layers * next(iter(specs.values())).page_size_bytes / block_size}
+
+
+def context_tokens(blocks: int, block_size: int, sequences: int, sliding_groups: int, sliding_blocks: int) -> int:
+    """Context tokens the pool holds once each of `sequences` sequences holds its sliding blocks
+    (none under a full-context cache: then blocks x block_size, the figure vLLM logs)."""
+    return (blocks - sequences * sliding_groups * sliding_blocks) * block_size
+
+
+def longest_context(blocks: int, block_size: int, sequences: int, sliding_groups: int, sliding_blocks: int) -> int:
+    """The longest context each of `sequences` sequences can hold at once, whole blocks, from the
+    pool minus vLLM's null block, not capped at max_model_len."""
+    return ((blocks - 1) // sequences - sliding_groups * sliding_blocks) * block_size
+
+
+def pool_table(shape: AttentionShape = BEAM_501B_TP8, *, block_size: int = 128, max_model_len: int = 262_144,
+               sequences: int = 16, free_bytes: float | None = None) -> list[str]:
+    """bf16 full, FP8 full, bf16 window, FP8 window: blocks, the pool's context tokens, and the
+    longest context each of `sequences` sequences holds, at the central F of the recipe's figures."""
+    if free_bytes is None:
+        free_bytes = free_from_graph_reserve(RECIPE_GRAPH_RESERVE_GIB, MemoryFigures(0.0))
+    memory = MemoryFigures(free_bytes)
+    sliding_blocks = window_block_count(BEAM_SLIDING_WINDOW, block_size)
+    lines = [f"| KV cache | bytes / context token / card | blocks | pool (context tokens, {sequences} sequences) "
+             f"| x bf16 full | longest context, {sequences} sequences each |", "|---|---|---|---|---|---|"]
+    base = None
+    for kind in ("full", "window"):
+        for name, dtype in (("bf16", torch.bfloat16), ("FP8", torch.float8_e4m3fn)):
+            if kind == "full":
+                c = capacity(shape, memory, block_size, dtype)
+                c["sliding_groups"] = 0
+            else:
+                c = window_capacity(shape, memory, block_size, dtype)
+            pool = context_tokens(c["blocks"], block_size, sequences, c["sliding_groups"], sliding_blocks)
+            base = base or pool
+            longest = longest_context(c["blocks"], block_size, sequences, c["sliding_groups"], sliding_blocks)
+            every = f" (all {max_model_len // 1024}K)" if longest >= max_model_len else ""
+            lines.append(f"| {name} {kind} | {c['bytes_per_token']:,.0f} | {c['blocks']:,} | {pool:,} | "
+                         f"{pool / base:.2f} | {longest:,}{every} |")
+    return lines
 
 
 def recipe_table(shape: AttentionShape = BEAM_501B_TP8, *, block_size: int = 128, max_model_len: int = 262_144,
@@ -163,6 +255,12 @@ def recipe_table(shape: AttentionShape = BEAM_501B_TP8, *, block_size: int = 128
               f"{'inside' if inside else 'OUTSIDE'} the interval the rounded graph share allows; it is exactly "
               f"reproduced for F in [{exact[0] / GIB:.4f}, {exact[1] / GIB:.4f}) GiB, which the printed figure "
               f"cannot pin down (the worker's `Free device memory` log line on the card does)"]
+    sliding_blocks = window_block_count(BEAM_SLIDING_WINDOW, block_size)
+    lines += ["", "Full-context against window-sized cache (BEAM_WINDOW_KV=1: the full group's 9 layers' K/V a "
+              f"context token, each sequence also holding at most {sliding_blocks} blocks in each sliding group), "
+              "at the central F:", ""]
+    lines += pool_table(shape, block_size=block_size, max_model_len=max_model_len, sequences=sequences,
+                        free_bytes=frees[1])
     return "\n".join(lines)
 
 

@@ -20,11 +20,20 @@ batch * ceil(max_model_len / block_size)). Checked:
   (b(k+1), 1, c(k+1)), both capped at b(k+1) rows' blocks at max_model_len (VLLM_CONTIGUOUS_PA=false,
   the recipe's), so up to three graphs per seed.
 
+With `--window-kv` (BEAM_WINDOW_KV=1, a window-sized KV cache for the sliding layers) the file
+is also checked for per-group block lists: vllm-gaudi pads each KV-cache group's decode block list
+to a decode bucket found from that group's own block count, and a sliding group's list holds at
+most window_block_count blocks a row (5 at window 512, block 128); each batch's bucket that list
+lands in must be exactly batch x 5 blocks, else 43 of 52 layers gather padding blocks every step
+(the recipe's file pads them to its 4K tier, 32 blocks a row). `python -m serving.make_buckets
+--window-kv` writes the re-derived file.
+
 A runtime lookup that misses every bucket compiles a fallback graph mid-serving; a dropped or
 unreachable bucket wastes warmup time and graph memory.
 
-Usage (from the repository root): python -m serving.lint_buckets [FILE] [--recipe recipe.yaml] [--speculative]
-FILE defaults to the recipe's buckets.file, with --speculative to its speculative.buckets.file.
+Usage (from the repository root): python -m serving.lint_buckets [FILE] [--recipe recipe.yaml] [--speculative] [--window-kv]
+FILE defaults to the recipe's buckets.file, with --speculative to its speculative.buckets.file,
+with --window-kv to that file's window-KV variant (<file>-window.txt).
 Exit status 0 when clean, 1 with one `FILE:LINE: problem` per problem otherwise.
 """
 
@@ -182,7 +191,28 @@ def speculative_decode_buckets(seeds, speculative_tokens: int, g: Geometry) -> s
     return out
 
 
-def lint_bucket_text(text: str, g: Geometry, speculative_tokens: int = 0) -> list[str]:
+def window_kv_problems(decodes: dict[tuple[int, int, int], Bucket], g: Geometry,
+                       speculative_tokens: int = 0) -> list[str]:
+    """Each batch whose sliding-group decode block lists (at most batch x window_block_count
+    blocks) pad to a bigger bucket than that, naming the bucket that would hold them exactly."""
+    window_blocks = window_block_count(g.sliding_window, g.block_size)
+    shapes = speculative_decode_buckets(decodes, speculative_tokens, g) if speculative_tokens else set(decodes)
+    problems = []
+    for batch in sorted({shape[0] for shape in shapes}):
+        need = batch * window_blocks
+        landing = min((s for s in shapes if s[0] == batch and s[2] >= need), key=lambda s: s[2], default=None)
+        if landing is None or landing[2] == need:
+            continue  # none: the plain checks name the batch; equal: the window tier is there
+        where = f"{decodes[landing].line}: " if landing in decodes else ""
+        made = "" if landing in decodes else f" (made from the seeds for {speculative_tokens} speculative tokens)"
+        problems.append(
+            f"{where}decode (window KV): batch {batch}'s sliding-group block lists ({batch} x {window_blocks} = "
+            f"{need} blocks at most) pad to {landing}{made}, {landing[2] / need:.1f}x their blocks in every "
+            f"sliding layer; missing bucket ({batch}, 1, {need})")
+    return problems
+
+
+def lint_bucket_text(text: str, g: Geometry, speculative_tokens: int = 0, window_kv: bool = False) -> list[str]:
     buckets, problems = parse_bucket_text(text)
     prompts: list[Bucket] = []
     decodes: dict[tuple[int, int, int], Bucket] = {}
@@ -217,6 +247,8 @@ def lint_bucket_text(text: str, g: Geometry, speculative_tokens: int = 0) -> lis
                 f"these {len(decodes)} (batch x {speculative_tokens + 1} verify rows), each a captured graph; the limit "
                 f"is {g.max_decode_graphs} (recipe.yaml buckets.max_decode_graphs); the variant's file has fewer decode "
                 "seeds (python -m serving.make_buckets --speculative)")
+    if window_kv and g.sliding_window:
+        problems += window_kv_problems(decodes, g, speculative_tokens)
     return sorted(problems, key=_line_of)
 
 
@@ -244,12 +276,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", type=Path, default=SERVING_DIR / "recipe.yaml", help="launch flags and limits")
     parser.add_argument("--speculative", action="store_true",
                         help="lint for the recipe's speculative variant (its --speculative-config's num_speculative_tokens)")
+    parser.add_argument("--window-kv", action="store_true",
+                        help="also check the per-group block lists of a window-sized KV cache (BEAM_WINDOW_KV=1)")
     args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe)
     section = recipe["speculative"] if args.speculative else recipe
-    path = args.file or SERVING_DIR / section["buckets"]["file"]
+    name = section["buckets"]["file"]
+    if args.window_kv:
+        from serving.make_buckets import window_kv_file_name
+
+        name = window_kv_file_name(name)
+    path = args.file or SERVING_DIR / name
     k = speculative_tokens(recipe) if args.speculative else 0
-    problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe), k)
+    problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe), k, args.window_kv)
     for problem in problems:
         print(f"{path}:{problem}" if problem[:1].isdigit() else f"{path}: {problem}", file=sys.stderr)
     return 1 if problems else 0

@@ -4,6 +4,7 @@
 - switches: beam_hpu.settings.switches.SWITCHES (name, default, description) and
   beam_hpu.settings.guards.FORBIDDEN_ENV
 - fixes:    the fix profiles' units (name, package, why, scope, remove_when)
+- kv-pools: serving.kv_capacity.pool_table (bf16 / FP8, full-context / window-sized KV pools)
 
     python3 ports/beam-1-0/gen_readme.py           # rewrite the sections
     python3 ports/beam-1-0/gen_readme.py --check   # exit 1 if the README is out of date
@@ -46,7 +47,13 @@ def fixes_section() -> str:
     return "\n".join(out)
 
 
-SECTIONS = {"switches": switches_section, "fixes": fixes_section}
+def kv_pools_section() -> str:
+    from serving.kv_capacity import pool_table
+
+    return "\n".join(pool_table())
+
+
+SECTIONS = {"switches": switches_section, "fixes": fixes_section, "kv-pools": kv_pools_section}
 
 
 def render(text: str) -> str:

@@ -42,3 +42,21 @@ def test_report_names_batches_and_the_card_measurement(capsys):
     assert out.startswith("MODEL, not a measurement.")
     assert "-> batch  2;" in out and "-> batch 16;" in out
     assert "Confirm on a card" in out
+
+
+def test_sliding_lists_pad_to_the_4k_tier_in_the_recipes_file_and_fill_the_window_tier():
+    for batch in (1, 2, 4, 8, 16):
+        assert wm.landing_bucket_blocks("tp8-seqs16-256k.txt", batch, batch * 5) == batch * 32
+        assert wm.landing_bucket_blocks("tp8-seqs16-256k-window.txt", batch, batch * 5) == batch * 5
+    # A batch the file does not list pads to the next one's bucket (3 rows -> batch 4's).
+    assert wm.landing_bucket_blocks("tp8-seqs16-256k-window.txt", 3, 15) == 20
+
+
+def test_vllms_logged_pool_divides_by_its_sizers_reservation():
+    # 2,048 full blocks + 5 sliding groups x (cdiv(511 + in-flight, 128) + 1) blocks a request.
+    for in_flight, sliding in ((8192, 69), (4096, 37)):
+        tokens, concurrency = wm.vllm_logged_pool(35_048, 5, in_flight)
+        assert concurrency == 35_048 / (2048 + 5 * sliding)
+        assert tokens == int(concurrency * 262_144)
+    full_tokens, _ = wm.vllm_logged_pool(6_066, 0, 8192)
+    assert full_tokens == 6_066 * 128  # a full-context cache: blocks x block size

@@ -76,3 +76,37 @@ def test_kv_capacity_and_kv_window_agree_on_the_full_caches():
         assert window["FP8 full"] + 1 <= ours["FP8"] <= window["FP8 full"] + 3
     assert kc.kv_bytes_per_token(kc.layer_specs(kc.BEAM_501B_TP8, 128, torch.float8_e4m3fn)) * 128 == \
         kw.NUM_LAYERS * kw.page_bytes(1)
+
+
+def test_the_window_cache_groups_like_vllm_and_holds_over_5x_the_bf16_full_pool():
+    full = kc.layer_specs(kc.BEAM_501B_TP8, 128, torch.bfloat16)
+    window = kc.window_layer_specs(full)
+    assert sum(getattr(s, "sliding_window", None) == 512 for s in window.values()) == 43
+    groups = kc.kv_cache_groups(window, 128)
+    assert sorted(len(g.layer_names) for g in groups) == [8, 8, 9, 9, 9, 9]
+    f = kc.free_from_graph_reserve(kc.RECIPE_GRAPH_RESERVE_GIB, kc.MemoryFigures(0.0))
+    bf16 = kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16)
+    win = kc.window_capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16)
+    fp8 = kc.window_capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.float8_e4m3fn)
+    assert win["sliding_groups"] == 5 and win["bytes_per_token"] == 9 * 512
+    # The same bytes over 9 layers' pages instead of 52.
+    assert bf16["blocks"] * 52 // 9 <= win["blocks"] <= (bf16["blocks"] + 1) * 52 // 9
+    # FP8 halves the page; the worker's dummy block (one page of all 52 layers) is half as many
+    # bytes too, which leaves 26 FP8 pages' bytes more: about 52/9 = 6 FP8 window blocks.
+    assert 2 * win["blocks"] <= fp8["blocks"] <= 2 * win["blocks"] + 8
+    pool = kc.context_tokens(win["blocks"], 128, 16, 5, 5)
+    assert pool >= 5 * bf16["tokens"]
+    assert kc.longest_context(win["blocks"], 128, 16, 5, 5) >= 262_144  # 16 sequences at 256K
+    assert kc.longest_context(bf16["blocks"], 128, 16, 0, 5) == 48_512
+
+
+def test_the_pool_table_prints_the_four_caches(capsys):
+    assert kc.main([]) == 0
+    out = capsys.readouterr().out
+    names = ("bf16 full", "FP8 full", "bf16 window", "FP8 window")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines()
+            if line.split(" | ")[0].lstrip("| ") in names}
+    assert set(rows) == {"bf16 full", "FP8 full", "bf16 window", "FP8 window"}
+    ratio = float(rows["bf16 window"].split(" | ")[4])
+    assert ratio >= 5 and "(all 256K)" in rows["bf16 window"] and "(all 256K)" in rows["FP8 window"]
+    assert "\n".join(kc.pool_table()) in out  # the README's generated table is this one

@@ -17,6 +17,7 @@ tree's step must equal the tree's without the unit.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from fixes.profile import load_profile
 from test_port_patches import PORT_PROFILE
 from tests.hpu.test_window_kv_vllm import beam_kv_cache_config, vllm_config
 
-BS, WINDOW, NUM_BLOCKS, WIDTH = 4, 8, 160, 64
+BS, WINDOW, NUM_BLOCKS, WIDTH = 4, 8, 240, 64
 UNIT = "beam-window-kv-steps"
 
 
@@ -123,11 +124,13 @@ class Steps:
 
     # ---- the scheduler
 
-    def admit(self) -> None:
+    def admit(self, fresh: bool = False) -> None:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         prefix = self.shared[:self.rng.randrange(2 * BS, len(self.shared))] if self.rng.random() < 0.7 else []
+        if fresh:  # no prefix: a first chunk without context, which prefill batches may merge
+            prefix = [self.rng.randrange(1000, 2000)]
         prompt = prefix + [
             self.rng.randrange(1000) for _ in range(self.rng.randrange(1, 3 * WINDOW))]
         rid = f"r{self.admitted}"
@@ -188,6 +191,9 @@ class Steps:
     def step(self) -> None:
         if len(self.seqs) < 4 and self.rng.random() < 0.7 or not self.seqs:
             self.admit()
+        if len(self.seqs) < 4 and self.rng.random() < 0.3:  # two fresh prompts in one step
+            self.admit(fresh=True)
+            self.admit(fresh=True)
         batch = self.schedule()
         num_decodes = sum(seq.computed >= seq.prompt_len for seq, _ in batch)
         order = [seq for seq, _ in batch]
@@ -245,8 +251,8 @@ class Steps:
         for g in range(len(self.groups)):
             set_batch(self.reference, views, [tables[g]], WIDTH)
             ref = self.reference._prepare_inputs(sched, num_prefills, num_decodes)
-            if not self.window_kv:
-                steps.same_value([ref, out], "step")
+            if not self.window_kv:  # the two trees' records are distinct classes: compare their contents
+                steps.same_value([plain(ref), plain(out)], "step")
                 return
             (ref_p, _), (ref_d, _) = ref
             (got_p, _), (got_d, _) = out
@@ -318,16 +324,22 @@ class Steps:
             vllm_config=SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="beam"))))
         for g, md in enumerate(self.group_metadata(grouped)):
             names, window = self.groups[g], self.windows[g]
-            slots = md.slot_mapping  # [batch, seq]
-            values = {n: torch.zeros(slots.shape) for n in names}
+            slots = md.slot_mapping  # [batch, seq]; merged prefill: [1, the batch's tokens back to back]
             ctx_lens = md.context_lens_tensor.tolist()
             query_lens = md.seq_lens_tensor.tolist()
+            merged = self.runner.use_merged_prefill
+            flat = slots.flatten()
+            values = {n: torch.zeros(flat.numel()) for n in names}
+            real = torch.zeros(flat.numel(), dtype=torch.bool)
             for b, seq in enumerate(seqs):
+                start = sum(query_lens[:b]) if merged else b * slots.shape[1]
                 for j in range(query_lens[b]):
+                    real[start + j] = True
                     for name in names:
-                        values[name][b, j] = self.code(name, seq.tokens, ctx_lens[b] + j)
-            assert (slots[len(seqs):] == -1).all()  # padding rows write nowhere
-            self.write(names, slots.flatten(), {n: v.flatten() for n, v in values.items()})
+                        values[name][start + j] = self.code(name, seq.tokens, ctx_lens[b] + j)
+            assert (flat[~real] == -1).all()  # padding writes nowhere
+            assert (flat[real] >= 0).all()
+            self.write(names, flat, values)
             kind = "merged prefill" if len(seqs) > 1 else "prefill with context" if ctx_lens[0] else "prefill"
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
             if not any(ctx_lens[:len(seqs)]):
@@ -355,6 +367,15 @@ class Steps:
                     pos = ctx + i
                     want = [int(self.code(name, seq.tokens, p)) for p in range(max(0, pos - window + 1), pos + 1)]
                     self.miss(got, want, (name, seq.rid, pos))
+
+
+def plain(obj):
+    """Records as {"type": their class name, field: value}, recursively; tensors and the rest as they are."""
+    if isinstance(obj, (list, tuple)):
+        return [plain(o) for o in obj]
+    if dataclasses.is_dataclass(obj) or isinstance(obj, SimpleNamespace):
+        return {"type": type(obj).__name__, **{k: plain(v) for k, v in vars(obj).items()}}
+    return obj
 
 
 def run(trees, seed: int, n_steps: int, **kw) -> Steps:

@@ -84,7 +84,8 @@ class Seq:
 class Steps:
     """vLLM's manager and a scripted scheduler; each step built by the patched tree's runner."""
 
-    def __init__(self, trees, seed: int, window_kv: bool = True, merged: bool = False, dp_padding: int = 0):
+    def __init__(self, trees, seed: int, window_kv: bool = True, merged: bool = False, dp_padding: int = 0,
+                 with_unit: bool = True):
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -100,7 +101,8 @@ class Steps:
                                       enable_caching=True)
         args = dict(block_size=BS, window=WINDOW, num_kv_blocks=NUM_BLOCKS, merged_prefill=merged,
                     dp_padding=dp_padding)
-        self.runner = make_runner(trees[0].runner, kc, **args)
+        self.with_unit = with_unit  # without it: the tree builds every layer's metadata from group 0's table
+        self.runner = make_runner(trees[0 if with_unit else 1].runner, kc, **args)
         self.reference = make_runner(trees[1].runner, kc, **args)  # the tree without this unit
         self.buffer_of = {n: j for j, names in enumerate(wkv.shared_buffer_layers(self.groups)) for n in names}
         self.caches = [torch.zeros((NUM_BLOCKS + 1) * BS) for _ in wkv.shared_buffer_layers(self.groups)]
@@ -206,9 +208,10 @@ class Steps:
                                 scheduled_spec_decode_tokens={s.rid: s.drafts for s in order if s.drafts})
         set_batch(self.runner, views, tables, WIDTH)
         out = self.runner._prepare_inputs(sched, len(batch) - num_decodes, num_decodes)
-        self.compare_with_reference(out, views, tables, sched, len(batch) - num_decodes, num_decodes)
+        if self.with_unit:
+            self.compare_with_reference(out, views, tables, sched, len(batch) - num_decodes, num_decodes)
         (prefill, dummy_prefill), (decode, dummy_decode) = out
-        assert dummy_prefill is None and dummy_decode is None
+        self.check_dummies(dummy_prefill, dummy_decode)
         if num_decodes:
             self.decode_writes_and_reads(decode, order[:num_decodes], [n for _, n in batch[:num_decodes]])
         for i, rids in enumerate(prefill.request_ids):
@@ -238,7 +241,22 @@ class Steps:
                     held = sum(b != wkv.NULL_BLOCK_ID for b in self.manager.get_block_ids(seq.rid)[g])
                     assert held <= wkv.sliding_blocks_bound(w, BS, in_flight), (seq.rid, g, held)
 
+    def check_dummies(self, dummy_prefill, dummy_decode) -> None:
+        """DP padding's dummy batches: none without padding; with it, one metadata per group too."""
+        if not self.runner.get_dp_padding(1):
+            assert dummy_prefill is None and dummy_decode is None
+            return
+        for dummy, kind in ((dummy_prefill, "dummy prefill"), (dummy_decode, "dummy decode")):
+            if dummy is None:
+                continue
+            mds = dummy.attn_metadata if isinstance(dummy.attn_metadata, list) else [dummy.attn_metadata]
+            for md in mds:
+                assert len(self.group_metadata(md)) == len(self.groups)
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
     def group_metadata(self, md) -> list:
+        if not self.with_unit:
+            return [md] * len(self.groups)
         if self.window_kv:
             assert isinstance(md, wkv.GroupedMetadata)
             return md.groups
@@ -406,3 +424,16 @@ def test_switch_off_builds_the_stock_step(trees):
     s = run(trees, seed=2, n_steps=20, window_kv=False)
     assert len(s.groups) == 1 and s.mismatches == 0, s.first_mismatch
     assert s.kinds.get("decode", 0) > 0 and s.kinds.get("prefill with context", 0) > 0
+
+
+def test_without_the_unit_layers_read_another_groups_blocks(trees):
+    """The tree without beam-window-kv-steps builds one metadata from group 0's table (a sliding
+    group) for all 52 layers: the full layers and the other sliding groups read the wrong keys."""
+    s = run(trees, seed=0, n_steps=12, with_unit=False)
+    assert s.mismatches > 0
+
+
+def test_dp_padding_dummies_carry_one_metadata_per_group(trees):
+    s = run(trees, seed=3, n_steps=12, dp_padding=1)
+    assert s.mismatches == 0, s.first_mismatch
+    assert s.kinds.get("dummy prefill", 0) + s.kinds.get("dummy decode", 0) > 0, s.kinds

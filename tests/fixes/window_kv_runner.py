@@ -147,7 +147,7 @@ def make_runner(runner_path: Path, kv_cache_config, *, block_size: int, window: 
         use_async_scheduling=False, use_structured_output=False, invalid_req_indices=[],
         _resolve_block=lambda b: b, _resolve_all_blocks=lambda t: t, pin_memory=False, use_contiguous_pa=False,
         _PAD_BLOCK_ID=num_kv_blocks, _PAD_SLOT_ID=num_kv_blocks * block_size, model_config=SimpleNamespace(
-            dtype=torch.float32), model_has_chunked_attention=False, device="cpu", _dummy_num_blocks=8,
+            dtype=torch.float32), model_has_chunked_attention=False, device="cpu", _dummy_num_blocks=64,
         arange_np=np.arange(big), positions_cpu=positions, positions_np=positions.numpy(),
         input_ids_cpu=torch.zeros(big, dtype=torch.int32), speculative_config=None, is_pooling_model=False,
         max_model_len=big)

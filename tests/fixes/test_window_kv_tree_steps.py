@@ -437,3 +437,52 @@ def test_dp_padding_dummies_carry_one_metadata_per_group(trees):
     s = run(trees, seed=3, n_steps=12, dp_padding=1)
     assert s.mismatches == 0, s.first_mismatch
     assert s.kinds.get("dummy prefill", 0) + s.kinds.get("dummy decode", 0) > 0, s.kinds
+
+
+def beam_with_drafter_config():
+    """Beam's layers and an EAGLE3 drafter's one layer (its 4,096-token window allocated full)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from tests.hpu.test_window_kv_vllm import beam_layer_windows
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
+    windows = wkv.allocation_windows({**beam_layer_windows(WINDOW), "drafter.layers.0.self_attn.attn": 4096})
+    specs = {name: wkv.window_kv_spec(full, w) for name, w in windows.items()}
+    config = vllm_config()
+    groups = get_kv_cache_groups(config, specs)
+    return get_kv_cache_config_from_groups(config, groups, 100 * 10 * full.page_size_bytes)
+
+
+@pytest.mark.parametrize("window_kv", [True, False])
+def test_eagle_draft_steps_read_the_drafters_group(trees, window_kv):
+    kc = beam_with_drafter_config() if window_kv else full_only_config(100)
+    runner = make_runner(trees[0].runner, kc, block_size=BS, window=WINDOW, num_kv_blocks=100)
+    tables = [[[10 * g + b + 1] * 3 for b in range(2)] for g in range(len(kc.kv_cache_groups))]
+    set_batch(runner, [SimpleNamespace(rid=f"r{b}", tokens=[1] * 9, computed=8, prompt_len=4) for b in range(2)],
+              tables, WIDTH)
+    seen = []
+    runner.drafter = SimpleNamespace(
+        _draft_attn_layer_names={"drafter.layers.0.self_attn.attn"},
+        prepare_inputs=lambda md, spec, sampled: (md, torch.arange(2), torch.arange(2)),
+        propose=lambda *args: seen.append(args[5]) or torch.zeros(2, 1, dtype=torch.int64))
+    runner.use_aux_hidden_state_outputs = False
+    decode = SimpleNamespace(spec_decode_metadata=object(), position_ids=torch.arange(2), attn_metadata=None)
+    runner.propose_eagle_decode([[1], [2]], torch.tensor([[1], [2]]), torch.zeros(2, 4), None, 2, decode)
+    runner.propose_eagle_prefill([torch.tensor([3])], [torch.zeros(1, 4, 4)], None, 0, torch.zeros(1, 4, dtype=torch.int64),
+                                 torch.arange(4), None, torch.tensor([3]), 1)
+    names = [g.layer_names for g in kc.kv_cache_groups]
+    want = next(g for g, n in enumerate(names) if "drafter.layers.0.self_attn.attn" in n) if window_kv else 0
+    assert kc.kv_cache_groups[want].kv_cache_spec.__class__.__name__ == "FullAttentionSpec"
+    assert seen[0][:, :3].tolist() == tables[want][:2] and seen[1][:, :3].tolist() == tables[want][1:2]
+    if window_kv:
+        assert want != 0  # stock's block_table[0] would be a sliding group's
+
+
+@pytest.mark.parametrize("window_kv", [True, False])
+def test_warm_up_requests_bring_one_block_list_per_group(trees, window_kv):
+    kc = beam_kv_cache_config(BS, WINDOW, 100)[1] if window_kv else full_only_config(100)
+    runner = make_runner(trees[0].runner, kc, block_size=BS, window=WINDOW, num_kv_blocks=100)
+    requests, scheduled = [], {}
+    runner._add_dummy_request(requests, scheduled, 0, 21, 21, True, block_id=7)
+    assert requests[0].block_ids == ([[7] * 6] * 6 if window_kv else [[7] * 6]) and scheduled == {"0": 21}

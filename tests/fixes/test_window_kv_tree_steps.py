@@ -469,8 +469,8 @@ def test_eagle_draft_steps_read_the_drafters_group(trees, window_kv):
     runner.use_aux_hidden_state_outputs = False
     decode = SimpleNamespace(spec_decode_metadata=object(), position_ids=torch.arange(2), attn_metadata=None)
     runner.propose_eagle_decode([[1], [2]], torch.tensor([[1], [2]]), torch.zeros(2, 4), None, 2, decode)
-    runner.propose_eagle_prefill([torch.tensor([3])], [torch.zeros(1, 4, 4)], None, 0, torch.zeros(1, 4, dtype=torch.int64),
-                                 torch.arange(4), None, torch.tensor([3]), 1)
+    runner.propose_eagle_prefill([torch.tensor([3])], [torch.zeros(1, 4, 4)], None, 0,
+                                 torch.zeros(1, 4, dtype=torch.int64), torch.arange(4), None, torch.tensor([3]), 1)
     names = [g.layer_names for g in kc.kv_cache_groups]
     want = next(g for g, n in enumerate(names) if "drafter.layers.0.self_attn.attn" in n) if window_kv else 0
     assert kc.kv_cache_groups[want].kv_cache_spec.__class__.__name__ == "FullAttentionSpec"

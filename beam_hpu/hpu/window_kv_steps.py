@@ -170,7 +170,10 @@ def _storages(md) -> dict[str, int]:
     out = {}
     for name, value in (_fields(md) or {}).items():
         if isinstance(value, torch.Tensor) and value.numel() > 0:
-            out[name] = value.untyped_storage().data_ptr()
+            try:  # the storage, so two views into one persistent buffer count as shared
+                out[name] = value.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # a device tensor without a storage: its own address
+                out[name] = value.data_ptr()
     return out
 
 

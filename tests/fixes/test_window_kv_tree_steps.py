@@ -23,6 +23,7 @@ import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from decode_step import write_kv
@@ -486,3 +487,39 @@ def test_warm_up_requests_bring_one_block_list_per_group(trees, window_kv):
     requests, scheduled = [], {}
     runner._add_dummy_request(requests, scheduled, 0, 21, 21, True, block_id=7)
     assert requests[0].block_ids == ([[7] * 6] * 6 if window_kv else [[7] * 6]) and scheduled == {"0": 21}
+
+
+def test_multi_token_decodes_move_last_with_every_groups_table(trees):
+    """The tree's ensure_multi_token_decodes_last reorders the batch by the tree's
+    InputBatch.swap_states, whose vLLM MultiGroupBlockTable.swap_row moves every group's row: a
+    verify row keeps its own tables in all six groups."""
+    from vllm.utils.collection_utils import swap_dict_values
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    n_groups, n = 6, 4
+    runner_file = trees[0].runner
+    input_batch = runner_file.parent / "hpu_input_batch.py"
+    swap = load(input_batch, "swap_states", "InputBatch", swap_dict_values=swap_dict_values)
+    reorder = load(runner_file, "ensure_multi_token_decodes_last")
+    tables = MultiGroupBlockTable(max_num_reqs=n, max_num_batched_tokens=64, pin_memory=False, device="cpu",
+                                  block_sizes=[BS] * n_groups, kernel_block_sizes=[BS] * n_groups,
+                                  max_num_blocks=[8] * n_groups)
+    rows = {f"r{b}": tuple([10 * g + b + 1, 100 + 10 * g + b] for g in range(n_groups)) for b in range(n)}
+    for b, rid in enumerate(rows):
+        tables.add_row(rows[rid], b)
+    arrays = {k: np.arange(n) for k in (
+        "num_tokens", "num_tokens_no_spec", "temperature_cpu", "top_p_cpu", "top_k_cpu", "frequency_penalties_cpu",
+        "presence_penalties_cpu", "repetition_penalties_cpu", "min_p_cpu")}
+    batch = SimpleNamespace(
+        _req_ids=list(rows), req_output_token_ids=[[] for _ in range(n)],
+        req_id_to_index={r: b for b, r in enumerate(rows)}, num_prompt_tokens=np.full(n, 2),
+        num_computed_tokens_cpu=np.full(n, 5), token_ids_cpu=np.zeros((n, 8)), generators={}, bad_words_token_ids={},
+        request_lora_mapping=np.zeros(n), is_pooling_model=False, allowed_token_ids_mask_cpu_tensor=None,
+        block_table=tables, num_reqs=n, **arrays)
+    batch.req_ids = batch._req_ids
+    batch.swap_states = lambda i, j: swap(batch, i, j)
+    reorder(batch, {"r0": 4, "r1": 1, "r2": 2, "r3": 1})
+    assert batch.req_ids[:2] == ["r1", "r3"] and sorted(batch.req_ids[2:]) == ["r0", "r2"]
+    for b, rid in enumerate(batch.req_ids):
+        for g in range(n_groups):
+            assert tables[g].get_cpu_tensor()[b, :2].tolist() == rows[rid][g], (rid, g)

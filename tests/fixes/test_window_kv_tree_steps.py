@@ -86,7 +86,7 @@ class Steps:
     """vLLM's manager and a scripted scheduler; each step built by the patched tree's runner."""
 
     def __init__(self, trees, seed: int, window_kv: bool = True, merged: bool = False, dp_padding: int = 0,
-                 with_unit: bool = True):
+                 with_unit: bool = True, async_scheduling: bool = False):
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -101,7 +101,7 @@ class Steps:
         self.manager = KVCacheManager(kc, max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS,
                                       enable_caching=True)
         args = dict(block_size=BS, window=WINDOW, num_kv_blocks=NUM_BLOCKS, merged_prefill=merged,
-                    dp_padding=dp_padding)
+                    dp_padding=dp_padding, async_scheduling=async_scheduling)
         self.with_unit = with_unit  # without it: the tree builds every layer's metadata from group 0's table
         self.runner = make_runner(trees[0 if with_unit else 1].runner, kc, **args)
         self.reference = make_runner(trees[1].runner, kc, **args)  # the tree without this unit
@@ -115,7 +115,7 @@ class Steps:
                                     custom_tuple_replace=lambda m, _n, **kw: SimpleNamespace(**{**vars(m), **kw}))
         self.utils = trees[0].root / "vllm_gaudi/extension/utils.py"
         self.kinds: dict[str, int] = {}
-        self.rows_checked = self.mismatches = self.null_columns = self.reused = 0
+        self.rows_checked = self.mismatches = self.null_columns = self.reused = self.invalid_listed = 0
         self.first_mismatch = None
         self.owner: dict[int, tuple] = {}
         self.seqs: list[Seq] = []
@@ -208,6 +208,7 @@ class Steps:
                                 num_scheduled_tokens={s.rid: n for s, n in batch},
                                 scheduled_spec_decode_tokens={s.rid: s.drafts for s in order if s.drafts})
         set_batch(self.runner, views, tables, WIDTH)
+        self.runner.invalid_req_indices = []
         out = self.runner._prepare_inputs(sched, len(batch) - num_decodes, num_decodes)
         if self.with_unit:
             self.compare_with_reference(out, views, tables, sched, len(batch) - num_decodes, num_decodes)
@@ -269,7 +270,11 @@ class Steps:
         one full group (the switch off) the whole step equals the unit-less tree's."""
         for g in range(len(self.groups)):
             set_batch(self.reference, views, [tables[g]], WIDTH)
+            self.reference.invalid_req_indices = []
             ref = self.reference._prepare_inputs(sched, num_prefills, num_decodes)
+            # async scheduling's discarded partial-prefill logits: listed once, as one build lists them
+            assert self.runner.invalid_req_indices == self.reference.invalid_req_indices
+            self.invalid_listed += len(self.reference.invalid_req_indices)
             if not self.window_kv:  # the two trees' records are distinct classes: compare their contents
                 steps.same_value([plain(ref), plain(out)], "step")
                 return
@@ -312,6 +317,8 @@ class Steps:
                 for j in range(n):
                     for name in names:
                         values[name][s * per_seq + j] = self.code(name, seq.tokens + seq.drafts, seq.computed + j)
+            real_rows = [s * per_seq + j for s, n in enumerate(num_tokens) for j in range(n)]
+            assert all(int(slots[r]) // BS != wkv.NULL_BLOCK_ID for r in real_rows)  # never the null block
             self.write(names, slots, values)
             rows = slots.numel()
             sliding = window is not None
@@ -357,7 +364,7 @@ class Steps:
                     for name in names:
                         values[name][start + j] = self.code(name, seq.tokens, ctx_lens[b] + j)
             assert (flat[~real] == -1).all()  # padding writes nowhere
-            assert (flat[real] >= 0).all()
+            assert (flat[real] >= 0).all() and (flat[real] // BS != wkv.NULL_BLOCK_ID).all()
             self.write(names, flat, values)
             kind = "merged prefill" if len(seqs) > 1 else "prefill with context" if ctx_lens[0] else "prefill"
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
@@ -523,3 +530,9 @@ def test_multi_token_decodes_move_last_with_every_groups_table(trees):
     for b, rid in enumerate(batch.req_ids):
         for g in range(n_groups):
             assert tables[g].get_cpu_tensor()[b, :2].tolist() == rows[rid][g], (rid, g)
+
+
+def test_async_scheduling_lists_each_discarded_prefill_logit_once(trees):
+    s = run(trees, seed=4, n_steps=15, async_scheduling=True)
+    assert s.mismatches == 0, s.first_mismatch
+    assert s.invalid_listed > 0  # partial prefills met, each listed once (not once per group)

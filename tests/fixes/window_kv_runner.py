@@ -36,7 +36,7 @@ STEP_METHODS = (
     "_make_attn_bias", "_create_dummy_prefill_batch_contents", "_prepare_decode_inputs",
     "_create_dummy_decode_input_data", "_create_decode_input_data", "get_habana_paged_attn_buffers",
     "_prepare_spec_decode_inputs", "_get_cumsum_and_arange", "_get_attention_group_id_for_hybrid",
-    "_add_dummy_request", "propose_eagle_decode", "propose_eagle_prefill")
+    "_add_dummy_request", "propose_eagle_decode", "propose_eagle_prefill", "_prepare_input_ids")
 MODULE_NAMES = ("BatchContents", "PrefillInputData", "DecodeInputData", "merge_contents", "shallow_tuple",
                 "round_up", "flatten", "empty_list", "BucketingFailedException", "exact_decode_window",
                 "mark_window_starts", "EXACT_DECODE_WINDOW_MODELS")
@@ -133,23 +133,25 @@ class Bucketing:
 
 
 def make_runner(runner_path: Path, kv_cache_config, *, block_size: int, window: int, num_kv_blocks: int,
-                merged_prefill: bool = False, dp_padding: int = 0, model_type: str = "beam"):
+                merged_prefill: bool = False, dp_padding: int = 0, model_type: str = "beam",
+                async_scheduling: bool = False):
     cls, _ = tree_runner_class(runner_path)
     runner = cls.__new__(cls)
     big = 4096
     positions = torch.zeros(big, dtype=torch.int64)
+    input_ids = torch.zeros(big, dtype=torch.int32)  # the device copy is the host's: no previous step's samples
     vars(runner).update(
         kv_cache_config=kv_cache_config, attn_block_size=block_size, block_size=block_size,
         bucketing_manager=Bucketing(), get_dp_padding=lambda n: dp_padding, max_prefill_batch_size=4,
         max_num_tokens=big, use_merged_prefill=merged_prefill, logits_rounding=1,
         profiler=SimpleNamespace(enabled=False), interleaved_sliding_window=True, sliding_window=window,
         dtype=torch.float32, _get_model_type=lambda: model_type, num_mamba_like_layers=0, uses_mrope=False,
-        use_async_scheduling=False, use_structured_output=False, invalid_req_indices=[],
+        use_async_scheduling=async_scheduling, use_structured_output=False, invalid_req_indices=[],
         _resolve_block=lambda b: b, _resolve_all_blocks=lambda t: t, pin_memory=False, use_contiguous_pa=False,
         _PAD_BLOCK_ID=num_kv_blocks, _PAD_SLOT_ID=num_kv_blocks * block_size, model_config=SimpleNamespace(
             dtype=torch.float32), model_has_chunked_attention=False, device="cpu", _dummy_num_blocks=64,
         arange_np=np.arange(big), positions_cpu=positions, positions_np=positions.numpy(),
-        input_ids_cpu=torch.zeros(big, dtype=torch.int32), speculative_config=None, is_pooling_model=False,
+        input_ids_cpu=input_ids, input_ids_hpu=input_ids, speculative_config=None, is_pooling_model=False,
         max_model_len=big)
     return runner
 
@@ -164,5 +166,5 @@ def set_batch(runner, seqs: list, tables: list[list[list[int]]], width: int) -> 
         req_ids=[s.rid for s in seqs], req_id_to_index={s.rid: b for b, s in enumerate(seqs)},
         num_computed_tokens_cpu=np.array([s.computed for s in seqs], dtype=np.int32),
         num_prompt_tokens=np.array([s.prompt_len for s in seqs], dtype=np.int32),
-        token_ids_cpu=token_ids, token_ids_cpu_tensor=torch.from_numpy(token_ids),
+        token_ids_cpu=token_ids, token_ids_cpu_tensor=torch.from_numpy(token_ids), prev_sampled_token_ids=None,
         block_table=GroupTables(tables, width))

@@ -376,6 +376,7 @@ class Steps:
                 cache = self.caches[self.buffer_of[name]]
                 if window is None:  # full layers read every context block, the chunk causally
                     blocks = md.block_list.view(len(query_lens), -1)[0].tolist()
+                    assert wkv.NULL_BLOCK_ID not in blocks[:math.ceil(ctx / BS)]
                     got = [int(cache[blocks[p // BS] * BS + p % BS]) for p in range(ctx)]
                     want = [int(self.code(name, seq.tokens, p)) for p in range(ctx)]
                     self.miss(got, want, (name, seq.rid, "context"))
@@ -386,6 +387,7 @@ class Steps:
                 bias = self.set_window_bias(processor, meta, len(query_lens), slots.shape[1], window, "cpu",
                                             torch.float32).window_attn_bias
                 wblocks = md.window_block_list.view(len(query_lens), -1)[0].tolist()
+                assert wkv.NULL_BLOCK_ID not in wblocks  # the window's context blocks are all live
                 key_codes = [int(cache[bid * BS + o]) if bid >= 0 else None for bid in wblocks for o in range(BS)]
                 key_codes += [int(self.code(name, seq.tokens, ctx + j)) for j in range(slots.shape[1])]
                 for i in range(q):

@@ -29,7 +29,7 @@ from fixes.profile import load_profile
 PORT_PROFILE = os.environ.get("GAUDI_PORT_PROFILE", "port-beam-1-0-public-main")
 PORT_UNITS = ["beam-exact-window", "beam-grammar-device-mask", "beam-fsdpa-tiles", "beam-grammar-verify",
               "beam-eagle-draft-end", "beam-sampled-verify", "beam-exact-rounding", "beam-moe-gather",
-              "beam-window-kv-cache", "beam-window-kv-metadata"]
+              "beam-window-kv-cache", "beam-window-kv-steps", "beam-window-kv-metadata"]
 RUNNER_CLS = "HPUModelRunner"
 PROCESSOR_CLS = "HPUAttentionMetadataProcessor"
 

@@ -80,9 +80,9 @@ def test_install_sh_builds_the_port_on_a_cpu_tree(trees, tmp_path):
                                 *tree_args(vllm_root, gaudi_root)], capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
     stamp = json.loads((gaudi_root / "vllm_gaudi/.beam-hpu-port.json").read_text())
-    assert stamp["fixes"][-10:] == ["beam-exact-window", "beam-grammar-device-mask", "beam-fsdpa-tiles", "beam-grammar-verify",
-                                  "beam-eagle-draft-end", "beam-sampled-verify", "beam-exact-rounding", "beam-moe-gather",
-                                  "beam-window-kv-cache", "beam-window-kv-metadata"]
+    assert stamp["fixes"][-11:] == ["beam-exact-window", "beam-grammar-device-mask", "beam-fsdpa-tiles", "beam-grammar-verify",
+                                   "beam-eagle-draft-end", "beam-sampled-verify", "beam-exact-rounding", "beam-moe-gather",
+                                   "beam-window-kv-cache", "beam-window-kv-steps", "beam-window-kv-metadata"]
     assert (target / "beam_hpu/hpu/window.py").is_file()
     assert any(p.name.startswith("beam_hpu-") for p in target.glob("*.dist-info"))
     assert not list(cookbook.glob("*.egg-info")) and not (cookbook / "build").exists()

@@ -1,0 +1,540 @@
+"""Port unit beam-window-kv-steps on the vllm-gaudi tree named by GAUDI_FIXES_ROOT (skipped without
+it): the tree's own HPUModelRunner._prepare_inputs (window_kv_runner.py), patched with the port,
+builds whole steps over the per-group block tables of vLLM's own KVCacheManager (prefix caching on)
+for Beam's 52 layers under a window-sized cache: prompts with prefix-cache hits, chunked prefill
+over cached context, merged prefill, decodes and speculative verify rows with uneven drafts in one
+batch, padding rows and DP padding's dummy batches.
+
+Each layer writes its keys with the tree's VLLMKVCache.forward at the slot mapping of its group's
+metadata into the buffer it shares (window_kv.shared_buffer_layers); every key each query then
+attends (decode: the tree's _set_block_mapping over the group's block lists; prefill: the context
+blocks with the tree's _set_attn_bias_for_sliding_window in sliding layers, the whole context in
+full layers) is read back and must be exactly the definition's (window W: query i sees
+i - W < j <= i; full layers everything), written by that layer for that sequence. Each group's
+metadata must equal what the tree without this unit builds from that group's table alone (no
+build overwrote another's), and with one full-attention group (the switch off) the patched
+tree's step must equal the tree's without the unit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from decode_step import write_kv
+from gaudi_source import RUNNER, load
+from test_fixes_gaudi import copy_tree, pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
+from test_port_patches import PROCESSOR_CLS, apply, gaudi_units
+from window_kv_runner import make_runner, set_batch
+
+from beam_hpu.hpu import window_kv as wkv
+from beam_hpu.hpu import window_kv_steps as steps
+from fixes.engine import EXIT_OK
+from fixes.profile import load_profile
+from test_port_patches import PORT_PROFILE
+from tests.hpu.test_window_kv_vllm import beam_kv_cache_config, vllm_config
+
+BS, WINDOW, NUM_BLOCKS, WIDTH = 4, 8, 240, 64
+UNIT = "beam-window-kv-steps"
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    """(the port's tree, the port's tree without this unit)."""
+    out = []
+    for name, drop in (("port", ()), ("without", (UNIT, ))):
+        root, checkouts = copy_tree(tmp_path_factory.mktemp(name) / "site")
+        only = [u for u in gaudi_units(load_profile(PORT_PROFILE)) if u not in drop]
+        report = apply(root, checkouts, only=only)
+        assert report.exit_code == EXIT_OK, report.lines
+        out.append(SimpleNamespace(root=root, runner=root / RUNNER))
+    return out
+
+
+def full_only_config(num_blocks: int):
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(52)]
+    config = vllm_config()
+    groups = get_kv_cache_groups(config, {n: full for n in names})
+    return get_kv_cache_config_from_groups(config, groups, num_blocks * 52 * full.page_size_bytes)
+
+
+@dataclass
+class Seq:
+    rid: str
+    req: object
+    tokens: list[int]
+    prompt_len: int
+    max_new: int
+    furthest: int = -1
+    drafts: list[int] = field(default_factory=list)
+
+    @property
+    def computed(self) -> int:
+        return self.req.num_computed_tokens
+
+
+class Steps:
+    """vLLM's manager and a scripted scheduler; each step built by the patched tree's runner."""
+
+    def __init__(self, trees, seed: int, window_kv: bool = True, merged: bool = False, dp_padding: int = 0,
+                 with_unit: bool = True, async_scheduling: bool = False):
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        self.rng = random.Random(seed)
+        kc = beam_kv_cache_config(BS, WINDOW, NUM_BLOCKS)[1] if window_kv else full_only_config(NUM_BLOCKS)
+        self.kc, self.window_kv = kc, window_kv
+        self.groups = [g.layer_names for g in kc.kv_cache_groups]
+        self.windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in kc.kv_cache_groups]
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BS, sha256)
+        self.manager = KVCacheManager(kc, max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS,
+                                      enable_caching=True)
+        args = dict(block_size=BS, window=WINDOW, num_kv_blocks=NUM_BLOCKS, merged_prefill=merged,
+                    dp_padding=dp_padding, async_scheduling=async_scheduling)
+        self.with_unit = with_unit  # without it: the tree builds every layer's metadata from group 0's table
+        self.runner = make_runner(trees[0 if with_unit else 1].runner, kc, **args)
+        self.reference = make_runner(trees[1].runner, kc, **args)  # the tree without this unit
+        self.buffer_of = {n: j for j, names in enumerate(wkv.shared_buffer_layers(self.groups)) for n in names}
+        self.caches = [torch.zeros((NUM_BLOCKS + 1) * BS) for _ in wkv.shared_buffer_layers(self.groups)]
+        self.codes: dict[tuple, int] = {}
+        self.set_mapping = load(trees[0].runner, "_set_block_mapping", PROCESSOR_CLS, torch=torch, math=math,
+                                is_fake_hpu=lambda: True,
+                                custom_tuple_replace=lambda m, _n, **kw: SimpleNamespace(**{**vars(m), **kw}))
+        self.set_window_bias = load(trees[0].runner, "_set_attn_bias_for_sliding_window", PROCESSOR_CLS, torch=torch,
+                                    custom_tuple_replace=lambda m, _n, **kw: SimpleNamespace(**{**vars(m), **kw}))
+        self.utils = trees[0].root / "vllm_gaudi/extension/utils.py"
+        self.kinds: dict[str, int] = {}
+        self.rows_checked = self.mismatches = self.null_columns = self.reused = self.invalid_listed = 0
+        self.first_mismatch = None
+        self.owner: dict[int, tuple] = {}
+        self.seqs: list[Seq] = []
+        self.admitted = 0
+        self.shared = [self.rng.randrange(1000) for _ in range(6 * BS + 3)]  # prompts' common prefix
+
+    def code(self, layer: str, tokens: list[int], pos: int) -> float:
+        return float(self.codes.setdefault((layer, pos, tuple(tokens[:pos + 1])), len(self.codes) + 1))
+
+    # ---- the scheduler
+
+    def admit(self, fresh: bool = False) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        prefix = self.shared[:self.rng.randrange(2 * BS, len(self.shared))] if self.rng.random() < 0.7 else []
+        if fresh:  # no prefix: a first chunk without context, which prefill batches may merge
+            prefix = [self.rng.randrange(1000, 2000)]
+        prompt = prefix + [
+            self.rng.randrange(1000) for _ in range(self.rng.randrange(1, 3 * WINDOW))]
+        rid = f"r{self.admitted}"
+        self.admitted += 1
+        req = Request(rid, prompt, SamplingParams(max_tokens=64), None, block_hasher=self.hasher)
+        computed, n_hit, _ = self.manager.get_computed_blocks(req)
+        self.kinds["prefix hit"] = self.kinds.get("prefix hit", 0) + (n_hit > 0)
+        seq = Seq(rid, req, list(prompt), len(prompt), self.rng.randrange(2, 3 * WINDOW))
+        seq.pending = (n_hit, computed)
+        self.seqs.append(seq)
+
+    def schedule(self) -> list[tuple[Seq, int]]:
+        """(seq, tokens scheduled) in batch order: decodes (one token, then verify rows), prefills."""
+        decodes, prefills = [], []
+        for seq in self.seqs:
+            pending = getattr(seq, "pending", None)
+            if pending is not None:  # a new request: its prefix hit counts as computed
+                n_hit, computed = pending
+                chunk = min(seq.prompt_len - n_hit, self.rng.choice([BS, 2 * BS + 1, 5 * BS, 64]))
+                assert self.manager.allocate_slots(seq.req, chunk, n_hit, computed) is not None
+                seq.req.num_computed_tokens = n_hit
+                del seq.pending
+                prefills.append((seq, chunk))
+            elif seq.computed < seq.prompt_len:
+                chunk = min(seq.prompt_len - seq.computed, self.rng.choice([1, BS - 1, 3 * BS + 2]))
+                assert self.manager.allocate_slots(seq.req, chunk) is not None
+                prefills.append((seq, chunk))
+            else:
+                k = self.rng.choice([0, 0, 1, 3])
+                seq.drafts = [self.rng.randrange(1000) for _ in range(k)]
+                assert self.manager.allocate_slots(seq.req, 1 + k) is not None
+                decodes.append((seq, 1 + k))
+        decodes.sort(key=lambda d: d[1] > 1)  # ensure_multi_token_decodes_last
+        return decodes + prefills
+
+    def commit(self, batch) -> None:
+        for seq, n in batch:
+            if seq.computed < seq.prompt_len:
+                seq.req.num_computed_tokens += n
+                if seq.computed == seq.prompt_len:
+                    self.emit(seq, [self.rng.randrange(1000)])
+            else:
+                accepted = self.rng.randint(0, len(seq.drafts))
+                seq.req.num_computed_tokens += 1 + accepted
+                self.emit(seq, seq.drafts[:accepted] + [self.rng.randrange(1000)])
+                seq.drafts = []
+        for seq in list(self.seqs):
+            if len(seq.tokens) - seq.prompt_len >= seq.max_new:
+                self.manager.free(seq.req)
+                self.seqs.remove(seq)
+
+    def emit(self, seq: Seq, new: list[int]) -> None:
+        seq.tokens += new
+        seq.req.append_output_token_ids(new)
+
+    # ---- one step through the runner
+
+    def step(self) -> None:
+        if len(self.seqs) < 4 and self.rng.random() < 0.7 or not self.seqs:
+            self.admit()
+        if len(self.seqs) < 4 and self.rng.random() < 0.3:  # two fresh prompts in one step
+            self.admit(fresh=True)
+            self.admit(fresh=True)
+        batch = self.schedule()
+        num_decodes = sum(seq.computed >= seq.prompt_len for seq, _ in batch)
+        order = [seq for seq, _ in batch]
+        views = [SimpleNamespace(rid=s.rid, tokens=s.tokens + s.drafts, computed=s.computed,
+                                 prompt_len=s.prompt_len) for s in order]
+        tables = [[list(self.manager.get_block_ids(s.rid)[g]) for s in order] for g in range(len(self.groups))]
+        self.track(order, tables)
+        sched = SimpleNamespace(total_num_scheduled_tokens=sum(n for _, n in batch),
+                                num_scheduled_tokens={s.rid: n for s, n in batch},
+                                scheduled_spec_decode_tokens={s.rid: s.drafts for s in order if s.drafts})
+        set_batch(self.runner, views, tables, WIDTH)
+        self.runner.invalid_req_indices = []
+        out = self.runner._prepare_inputs(sched, len(batch) - num_decodes, num_decodes)
+        if self.with_unit:
+            self.compare_with_reference(out, views, tables, sched, len(batch) - num_decodes, num_decodes)
+        (prefill, dummy_prefill), (decode, dummy_decode) = out
+        self.check_dummies(dummy_prefill, dummy_decode)
+        if num_decodes:
+            self.decode_writes_and_reads(decode, order[:num_decodes], [n for _, n in batch[:num_decodes]])
+        for i, rids in enumerate(prefill.request_ids):
+            self.prefill_writes_and_reads(prefill.attn_metadata[i], [self.find(r) for r in rids])
+        self.check_held(batch)
+        self.commit(batch)
+
+    def find(self, rid: str) -> Seq:
+        return next(s for s in self.seqs if s.rid == rid)
+
+    def track(self, order, tables) -> None:
+        for g, rows in enumerate(tables):
+            for seq, row in zip(order, rows):
+                self.null_columns += wkv.NULL_BLOCK_ID in row
+                for b in row:
+                    if b != wkv.NULL_BLOCK_ID and self.owner.setdefault(b, (g, seq.rid)) != (g, seq.rid):
+                        self.owner[b] = (g, seq.rid)
+                        self.reused += 1
+
+    def check_held(self, batch) -> None:
+        """A sliding group holds at most the window's blocks for what is in flight."""
+        for seq, n in batch:
+            seq.furthest = max(seq.furthest, seq.computed + n - 1)
+            in_flight = seq.furthest - seq.computed + 1
+            for g, w in enumerate(self.windows):
+                if w is not None:
+                    held = sum(b != wkv.NULL_BLOCK_ID for b in self.manager.get_block_ids(seq.rid)[g])
+                    assert held <= wkv.sliding_blocks_bound(w, BS, in_flight), (seq.rid, g, held)
+
+    def check_dummies(self, dummy_prefill, dummy_decode) -> None:
+        """DP padding's dummy batches: none without padding; with it, one metadata per group too."""
+        if not self.runner.get_dp_padding(1):
+            assert dummy_prefill is None and dummy_decode is None
+            return
+        for dummy, kind in ((dummy_prefill, "dummy prefill"), (dummy_decode, "dummy decode")):
+            if dummy is None:
+                continue
+            mds = dummy.attn_metadata if isinstance(dummy.attn_metadata, list) else [dummy.attn_metadata]
+            for md in mds:
+                assert len(self.group_metadata(md)) == len(self.groups)
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
+    def group_metadata(self, md) -> list:
+        if not self.with_unit:
+            return [md] * len(self.groups)
+        if self.window_kv:
+            assert isinstance(md, wkv.GroupedMetadata)
+            return md.groups
+        assert not isinstance(md, wkv.GroupedMetadata)
+        return [md]
+
+    def compare_with_reference(self, out, views, tables, sched, num_prefills, num_decodes) -> None:
+        """Group g's metadata is what the tree without the unit builds from group g's table; with
+        one full group (the switch off) the whole step equals the unit-less tree's."""
+        for g in range(len(self.groups)):
+            set_batch(self.reference, views, [tables[g]], WIDTH)
+            self.reference.invalid_req_indices = []
+            ref = self.reference._prepare_inputs(sched, num_prefills, num_decodes)
+            # async scheduling's discarded partial-prefill logits: listed once, as one build lists them
+            assert self.runner.invalid_req_indices == self.reference.invalid_req_indices
+            self.invalid_listed += len(self.reference.invalid_req_indices)
+            if not self.window_kv:  # the two trees' records are distinct classes: compare their contents
+                steps.same_value([plain(ref), plain(out)], "step")
+                return
+            (ref_p, _), (ref_d, _) = ref
+            (got_p, _), (got_d, _) = out
+            if num_decodes:
+                steps.same_value([ref_d.attn_metadata, got_d.attn_metadata.groups[g]], f"decode group {g}")
+            for i, md in enumerate(got_p.attn_metadata):
+                steps.same_value([ref_p.attn_metadata[i], md.groups[g]], f"prefill {i} group {g}")
+            same = [(ref_d, got_d), (ref_p, got_p)]
+            for r, o in same:
+                steps.same_value([{k: v for k, v in vars(r).items() if k != "attn_metadata"},
+                                  {k: v for k, v in vars(o).items() if k != "attn_metadata"}], "inputs")
+
+    # ---- writes and reads
+
+    def write(self, names, slots: torch.Tensor, values: torch.Tensor) -> None:
+        real = slots >= 0
+        for name in names:
+            buf = self.buffer_of[name]
+            self.caches[buf] = write_kv(self.utils, self.caches[buf], slots[real], values[name][real])
+
+    def miss(self, got, want, where) -> None:
+        self.rows_checked += 1
+        if sorted(got) != sorted(want):
+            self.mismatches += 1
+            if self.first_mismatch is None:
+                inv = {v: k[:2] for k, v in self.codes.items()}
+                self.first_mismatch = (where, [inv.get(x) for x in sorted(got)], [inv.get(x) for x in sorted(want)])
+
+    def decode_writes_and_reads(self, decode, seqs, num_tokens) -> None:
+        self.kinds["verify" if max(num_tokens) > 1 else "decode"] = self.kinds.get(
+            "verify" if max(num_tokens) > 1 else "decode", 0) + 1
+        for g, md in enumerate(self.group_metadata(decode.attn_metadata)):
+            names, window = self.groups[g], self.windows[g]
+            slots = md.slot_mapping.flatten()
+            per_seq = max(num_tokens)  # rows are [padded batch, the step's most tokens], flattened
+            values = {n: torch.zeros(slots.numel()) for n in names}
+            for s, (seq, n) in enumerate(zip(seqs, num_tokens)):
+                for j in range(n):
+                    for name in names:
+                        values[name][s * per_seq + j] = self.code(name, seq.tokens + seq.drafts, seq.computed + j)
+            real_rows = [s * per_seq + j for s, n in enumerate(num_tokens) for j in range(n)]
+            assert all(int(slots[r]) // BS != wkv.NULL_BLOCK_ID for r in real_rows)  # never the null block
+            self.write(names, slots, values)
+            rows = slots.numel()
+            sliding = window is not None
+            mapped = self.set_mapping(SimpleNamespace(block_size=BS), SimpleNamespace(
+                block_size=BS, block_usage=md.block_usage, block_groups=md.block_groups,
+                window_block_usage=md.window_block_usage, window_block_groups=md.window_block_groups), rows, "cpu",
+                torch.float32, is_window_block=sliding)
+            blocks = (md.window_block_list if sliding else md.block_list).tolist()
+            owners = (mapped.window_block_groups if sliding else mapped.block_groups).tolist()
+            bias = mapped.window_attn_bias if sliding else mapped.attn_bias
+            real = {s * per_seq + j for s, n in enumerate(num_tokens) for j in range(n)}
+            assert not any(b == wkv.NULL_BLOCK_ID for b, r in zip(blocks, owners) if r in real and sliding)
+            for name in names:
+                cache = self.caches[self.buffer_of[name]]
+                got = [[] for _ in range(rows)]
+                for i, (bid, row) in enumerate(zip(blocks, owners)):
+                    if 0 <= row < rows:
+                        got[row] += [int(cache[bid * BS + o]) for o in range(BS) if bias[i, o] == 0]
+                for s, (seq, n) in enumerate(zip(seqs, num_tokens)):
+                    for j in range(n):
+                        q = seq.computed + j
+                        lo = 0 if window is None else max(0, q - window + 1)
+                        want = [int(self.code(name, seq.tokens + seq.drafts, p)) for p in range(lo, q + 1)]
+                        self.miss(got[s * per_seq + j], want, (name, seq.rid, q))
+
+    def prefill_writes_and_reads(self, grouped, seqs) -> None:
+        processor = SimpleNamespace(
+            prefill_use_fusedsdpa=True, use_window_sdpa=False, slice_thld=8192, slice_size=1024, block_size=BS,
+            vllm_config=SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="beam"))))
+        for g, md in enumerate(self.group_metadata(grouped)):
+            names, window = self.groups[g], self.windows[g]
+            slots = md.slot_mapping  # [batch, seq]; merged prefill: [1, the batch's tokens back to back]
+            ctx_lens = md.context_lens_tensor.tolist()
+            query_lens = md.seq_lens_tensor.tolist()
+            merged = self.runner.use_merged_prefill
+            flat = slots.flatten()
+            values = {n: torch.zeros(flat.numel()) for n in names}
+            real = torch.zeros(flat.numel(), dtype=torch.bool)
+            for b, seq in enumerate(seqs):
+                start = sum(query_lens[:b]) if merged else b * slots.shape[1]
+                for j in range(query_lens[b]):
+                    real[start + j] = True
+                    for name in names:
+                        values[name][start + j] = self.code(name, seq.tokens, ctx_lens[b] + j)
+            assert (flat[~real] == -1).all()  # padding writes nowhere
+            assert (flat[real] >= 0).all() and (flat[real] // BS != wkv.NULL_BLOCK_ID).all()
+            self.write(names, flat, values)
+            kind = "merged prefill" if len(seqs) > 1 else "prefill with context" if ctx_lens[0] else "prefill"
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
+            if not any(ctx_lens[:len(seqs)]):
+                continue  # no context: the chunk attends only itself (stock causal window mask)
+            assert len(seqs) == 1  # a request with context is its own batch (_can_merge_prefill_contents)
+            seq, ctx, q = seqs[0], ctx_lens[0], query_lens[0]
+            for name in names:
+                cache = self.caches[self.buffer_of[name]]
+                if window is None:  # full layers read every context block, the chunk causally
+                    blocks = md.block_list.view(len(query_lens), -1)[0].tolist()
+                    assert wkv.NULL_BLOCK_ID not in blocks[:math.ceil(ctx / BS)]
+                    got = [int(cache[blocks[p // BS] * BS + p % BS]) for p in range(ctx)]
+                    want = [int(self.code(name, seq.tokens, p)) for p in range(ctx)]
+                    self.miss(got, want, (name, seq.rid, "context"))
+                    continue
+                meta = SimpleNamespace(is_prompt=True, block_list=md.block_list, window_block_list=md.window_block_list,
+                                       block_size=BS, context_lens_tensor=md.context_lens_tensor,
+                                       seq_lens_tensor=md.seq_lens_tensor)
+                bias = self.set_window_bias(processor, meta, len(query_lens), slots.shape[1], window, "cpu",
+                                            torch.float32).window_attn_bias
+                wblocks = md.window_block_list.view(len(query_lens), -1)[0].tolist()
+                assert wkv.NULL_BLOCK_ID not in wblocks  # the window's context blocks are all live
+                key_codes = [int(cache[bid * BS + o]) if bid >= 0 else None for bid in wblocks for o in range(BS)]
+                key_codes += [int(self.code(name, seq.tokens, ctx + j)) for j in range(slots.shape[1])]
+                for i in range(q):
+                    got = [key_codes[k] for k in range(len(key_codes)) if bias[0, 0, i, k] == 0]
+                    pos = ctx + i
+                    want = [int(self.code(name, seq.tokens, p)) for p in range(max(0, pos - window + 1), pos + 1)]
+                    self.miss(got, want, (name, seq.rid, pos))
+
+
+def plain(obj):
+    """Records as {"type": their class name, field: value}, recursively; tensors and the rest as they are."""
+    if isinstance(obj, (list, tuple)):
+        return [plain(o) for o in obj]
+    if dataclasses.is_dataclass(obj) or isinstance(obj, SimpleNamespace):
+        return {"type": type(obj).__name__, **{k: plain(v) for k, v in vars(obj).items()}}
+    return obj
+
+
+def run(trees, seed: int, n_steps: int, **kw) -> Steps:
+    s = Steps(trees, seed, **kw)
+    for _ in range(n_steps):
+        s.step()
+    return s
+
+
+def test_every_step_kind_reads_exact_windows_over_per_group_tables(trees):
+    s = run(trees, seed=0, n_steps=40)
+    assert len(s.groups) == 6 and s.windows.count(WINDOW) == 5
+    assert s.mismatches == 0, s.first_mismatch
+    for kind in ("decode", "verify", "prefill with context", "prefix hit"):
+        assert s.kinds.get(kind, 0) > 0, s.kinds
+    assert s.null_columns > 0 and s.reused > 0 and s.rows_checked > 2000, (s.null_columns, s.reused)
+
+
+def test_merged_prefill_writes_each_groups_blocks(trees):
+    s = run(trees, seed=1, n_steps=25, merged=True)
+    assert s.mismatches == 0, s.first_mismatch
+    assert s.kinds.get("merged prefill", 0) > 0, s.kinds
+
+
+def test_switch_off_builds_the_stock_step(trees):
+    """One full-attention group (BEAM_WINDOW_KV=0, or any other model): the step is the tree's
+    without the unit, tensor for tensor (compare_with_reference), and its metadata a plain one."""
+    s = run(trees, seed=2, n_steps=20, window_kv=False)
+    assert len(s.groups) == 1 and s.mismatches == 0, s.first_mismatch
+    assert s.kinds.get("decode", 0) > 0 and s.kinds.get("prefill with context", 0) > 0
+
+
+def test_without_the_unit_layers_read_another_groups_blocks(trees):
+    """The tree without beam-window-kv-steps builds one metadata from group 0's table (a sliding
+    group) for all 52 layers: the full layers and the other sliding groups read the wrong keys."""
+    s = run(trees, seed=0, n_steps=12, with_unit=False)
+    assert s.mismatches > 0
+
+
+def test_dp_padding_dummies_carry_one_metadata_per_group(trees):
+    s = run(trees, seed=3, n_steps=12, dp_padding=1)
+    assert s.mismatches == 0, s.first_mismatch
+    assert s.kinds.get("dummy prefill", 0) + s.kinds.get("dummy decode", 0) > 0, s.kinds
+
+
+def beam_with_drafter_config():
+    """Beam's layers and an EAGLE3 drafter's one layer (its 4,096-token window allocated full)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from tests.hpu.test_window_kv_vllm import beam_layer_windows
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
+    windows = wkv.allocation_windows({**beam_layer_windows(WINDOW), "drafter.layers.0.self_attn.attn": 4096})
+    specs = {name: wkv.window_kv_spec(full, w) for name, w in windows.items()}
+    config = vllm_config()
+    groups = get_kv_cache_groups(config, specs)
+    return get_kv_cache_config_from_groups(config, groups, 100 * 10 * full.page_size_bytes)
+
+
+@pytest.mark.parametrize("window_kv", [True, False])
+def test_eagle_draft_steps_read_the_drafters_group(trees, window_kv):
+    kc = beam_with_drafter_config() if window_kv else full_only_config(100)
+    runner = make_runner(trees[0].runner, kc, block_size=BS, window=WINDOW, num_kv_blocks=100)
+    tables = [[[10 * g + b + 1] * 3 for b in range(2)] for g in range(len(kc.kv_cache_groups))]
+    set_batch(runner, [SimpleNamespace(rid=f"r{b}", tokens=[1] * 9, computed=8, prompt_len=4) for b in range(2)],
+              tables, WIDTH)
+    seen = []
+    runner.drafter = SimpleNamespace(
+        _draft_attn_layer_names={"drafter.layers.0.self_attn.attn"},
+        prepare_inputs=lambda md, spec, sampled: (md, torch.arange(2), torch.arange(2)),
+        propose=lambda *args: seen.append(args[5]) or torch.zeros(2, 1, dtype=torch.int64))
+    runner.use_aux_hidden_state_outputs = False
+    decode = SimpleNamespace(spec_decode_metadata=object(), position_ids=torch.arange(2), attn_metadata=None)
+    runner.propose_eagle_decode([[1], [2]], torch.tensor([[1], [2]]), torch.zeros(2, 4), None, 2, decode)
+    runner.propose_eagle_prefill([torch.tensor([3])], [torch.zeros(1, 4, 4)], None, 0,
+                                 torch.zeros(1, 4, dtype=torch.int64), torch.arange(4), None, torch.tensor([3]), 1)
+    names = [g.layer_names for g in kc.kv_cache_groups]
+    want = next(g for g, n in enumerate(names) if "drafter.layers.0.self_attn.attn" in n) if window_kv else 0
+    assert kc.kv_cache_groups[want].kv_cache_spec.__class__.__name__ == "FullAttentionSpec"
+    assert seen[0][:, :3].tolist() == tables[want][:2] and seen[1][:, :3].tolist() == tables[want][1:2]
+    if window_kv:
+        assert want != 0  # stock's block_table[0] would be a sliding group's
+
+
+@pytest.mark.parametrize("window_kv", [True, False])
+def test_warm_up_requests_bring_one_block_list_per_group(trees, window_kv):
+    kc = beam_kv_cache_config(BS, WINDOW, 100)[1] if window_kv else full_only_config(100)
+    runner = make_runner(trees[0].runner, kc, block_size=BS, window=WINDOW, num_kv_blocks=100)
+    requests, scheduled = [], {}
+    runner._add_dummy_request(requests, scheduled, 0, 21, 21, True, block_id=7)
+    assert requests[0].block_ids == ([[7] * 6] * 6 if window_kv else [[7] * 6]) and scheduled == {"0": 21}
+
+
+def test_multi_token_decodes_move_last_with_every_groups_table(trees):
+    """The tree's ensure_multi_token_decodes_last reorders the batch by the tree's
+    InputBatch.swap_states, whose vLLM MultiGroupBlockTable.swap_row moves every group's row: a
+    verify row keeps its own tables in all six groups."""
+    from vllm.utils.collection_utils import swap_dict_values
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    n_groups, n = 6, 4
+    runner_file = trees[0].runner
+    input_batch = runner_file.parent / "hpu_input_batch.py"
+    swap = load(input_batch, "swap_states", "InputBatch", swap_dict_values=swap_dict_values)
+    reorder = load(runner_file, "ensure_multi_token_decodes_last")
+    tables = MultiGroupBlockTable(max_num_reqs=n, max_num_batched_tokens=64, pin_memory=False, device="cpu",
+                                  block_sizes=[BS] * n_groups, kernel_block_sizes=[BS] * n_groups,
+                                  max_num_blocks=[8] * n_groups)
+    rows = {f"r{b}": tuple([10 * g + b + 1, 100 + 10 * g + b] for g in range(n_groups)) for b in range(n)}
+    for b, rid in enumerate(rows):
+        tables.add_row(rows[rid], b)
+    arrays = {k: np.arange(n) for k in (
+        "num_tokens", "num_tokens_no_spec", "temperature_cpu", "top_p_cpu", "top_k_cpu", "frequency_penalties_cpu",
+        "presence_penalties_cpu", "repetition_penalties_cpu", "min_p_cpu")}
+    batch = SimpleNamespace(
+        _req_ids=list(rows), req_output_token_ids=[[] for _ in range(n)],
+        req_id_to_index={r: b for b, r in enumerate(rows)}, num_prompt_tokens=np.full(n, 2),
+        num_computed_tokens_cpu=np.full(n, 5), token_ids_cpu=np.zeros((n, 8)), generators={}, bad_words_token_ids={},
+        request_lora_mapping=np.zeros(n), is_pooling_model=False, allowed_token_ids_mask_cpu_tensor=None,
+        block_table=tables, num_reqs=n, **arrays)
+    batch.req_ids = batch._req_ids
+    batch.swap_states = lambda i, j: swap(batch, i, j)
+    reorder(batch, {"r0": 4, "r1": 1, "r2": 2, "r3": 1})
+    assert batch.req_ids[:2] == ["r1", "r3"] and sorted(batch.req_ids[2:]) == ["r0", "r2"]
+    for b, rid in enumerate(batch.req_ids):
+        for g in range(n_groups):
+            assert tables[g].get_cpu_tensor()[b, :2].tolist() == rows[rid][g], (rid, g)
+
+
+def test_async_scheduling_lists_each_discarded_prefill_logit_once(trees):
+    s = run(trees, seed=4, n_steps=15, async_scheduling=True)
+    assert s.mismatches == 0, s.first_mismatch
+    assert s.invalid_listed > 0  # partial prefills met, each listed once (not once per group)

@@ -7,6 +7,7 @@ real (torch on CPU, vLLM 0.30.0, the patched vllm-gaudi sources).
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from unittest.mock import MagicMock
 
 HABANA_MODULES = [
@@ -30,3 +31,24 @@ def install() -> None:
         sys.modules.setdefault(name, stub)
     if not hasattr(torch, "hpu"):
         torch.hpu = MagicMock()
+
+
+@contextmanager
+def installed():
+    """The stand-ins for the duration of a block only (e.g. while a tree module is executed in
+    this process): what the block added is taken out again, so a later test in the same worker
+    does not find a fake habana_frameworks (beam_hpu's guards ask importlib.util.find_spec, which
+    refuses a module without a spec)."""
+    import torch
+
+    before = {name: sys.modules.get(name) for name in HABANA_MODULES}
+    had_hpu = hasattr(torch, "hpu")
+    install()
+    try:
+        yield
+    finally:
+        for name, module in before.items():
+            if module is None:
+                sys.modules.pop(name, None)
+        if not had_hpu:
+            del torch.hpu

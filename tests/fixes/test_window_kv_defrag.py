@@ -32,13 +32,13 @@ BS, NUM_BLOCKS = 4, 16
 def tree_defragmenter_class(root: Path):
     import habana_stub
 
-    habana_stub.install()
     config = SimpleNamespace(VLLM_DEFRAG_THRESHOLD=2, defrag=True, VLLM_DEFRAG_WITH_GRAPHS=False,
                              bridge_mode="lazy", prefix_caching=True)
     helpers = {name: load(root / UTILS, name, itertools=itertools) for name in ("pad_list", "with_default")}
-    module = _exec_without_gaudi_imports(root / DEFRAG, get_config=lambda: config,
-                                         init_debug_logger=lambda *_: None,
-                                         init_logger=lambda: logging.getLogger("gaudi_tree_defrag"), **helpers)
+    with habana_stub.installed():  # only its `import habana_frameworks.torch as htorch` needs it
+        module = _exec_without_gaudi_imports(root / DEFRAG, get_config=lambda: config,
+                                             init_debug_logger=lambda *_: None,
+                                             init_logger=lambda: logging.getLogger("gaudi_tree_defrag"), **helpers)
     return module["OnlineDefragmenter"]
 
 

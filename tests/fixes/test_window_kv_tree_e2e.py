@@ -147,21 +147,8 @@ class Served(Steps):
         assert set(self.seen) == set(self.forward_context)  # every layer ran
 
     def step(self) -> None:
-        if len(self.seqs) < 4 and self.rng.random() < 0.7 or not self.seqs:
-            self.admit()
-        if len(self.seqs) < 4 and self.rng.random() < 0.3:
-            self.admit(fresh=True)
-            self.admit(fresh=True)
-        batch = self.schedule()
-        num_decodes = sum(seq.computed >= seq.prompt_len for seq, _ in batch)
+        batch, num_decodes, views, tables, sched = self.plan_step()
         order = [seq for seq, _ in batch]
-        views = [SimpleNamespace(rid=s.rid, tokens=s.tokens + s.drafts, computed=s.computed,
-                                 prompt_len=s.prompt_len) for s in order]
-        tables = [[list(self.manager.get_block_ids(s.rid)[g]) for s in order] for g in range(len(self.groups))]
-        self.track(order, tables)
-        sched = SimpleNamespace(total_num_scheduled_tokens=sum(n for _, n in batch),
-                                num_scheduled_tokens={s.rid: n for s, n in batch},
-                                scheduled_spec_decode_tokens={s.rid: s.drafts for s in order if s.drafts})
         set_batch(self.runner, views, tables, WIDTH, block_table=self.block_table)
         self.runner.invalid_req_indices = []
         (prefill, _), (decode, _) = self.runner._prepare_inputs(sched, len(batch) - num_decodes, num_decodes)

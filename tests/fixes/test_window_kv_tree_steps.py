@@ -192,7 +192,9 @@ class Steps:
 
     # ---- one step through the runner
 
-    def step(self) -> None:
+    def plan_step(self):
+        """Admit, schedule and lay out one step: (batch, number of decodes, views of the batch's
+        requests, every group's table rows, the scheduler output)."""
         if len(self.seqs) < 4 and self.rng.random() < 0.7 or not self.seqs:
             self.admit()
         if len(self.seqs) < 4 and self.rng.random() < 0.3:  # two fresh prompts in one step
@@ -208,6 +210,11 @@ class Steps:
         sched = SimpleNamespace(total_num_scheduled_tokens=sum(n for _, n in batch),
                                 num_scheduled_tokens={s.rid: n for s, n in batch},
                                 scheduled_spec_decode_tokens={s.rid: s.drafts for s in order if s.drafts})
+        return batch, num_decodes, views, tables, sched
+
+    def step(self) -> None:
+        batch, num_decodes, views, tables, sched = self.plan_step()
+        order = [seq for seq, _ in batch]
         set_batch(self.runner, views, tables, WIDTH)
         self.runner.invalid_req_indices = []
         out = self.runner._prepare_inputs(sched, len(batch) - num_decodes, num_decodes)

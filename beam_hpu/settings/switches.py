@@ -207,8 +207,14 @@ SWITCHES: dict[str, Switch] = _switches(
         "per group, and hands the defragmenter each buffer once. 0: vllm-gaudi's stock cache, "
         "full-context K/V for every layer. Beam only (model type beam; any other model keeps "
         "the stock specs whatever it says). Read on HPU by the port unit beam-window-kv-cache "
-        "(HPUModelRunner.get_kv_cache_spec); the step metadata per group and the runner's "
-        "consumer side are other units of issue 26. Off in the recipe until a card run "
+        "(HPUModelRunner.get_kv_cache_spec); three port units serve it together: "
+        "beam-window-kv-cache (the sliding specs, the shared buffers and pad block, one block "
+        "table per group in the InputBatch, the defragmenter each buffer once), "
+        "beam-window-kv-steps (_prepare_inputs builds every step kind once per group into a "
+        "GroupedMetadata: prefills, decodes, verify rows, DP dummies, warm-up requests; the "
+        "EAGLE draft reads the full group) and beam-window-kv-metadata (trim, "
+        "HpuModelAdapter.forward's process_metadata once per group into the forward context's "
+        "per-layer dict, the warm-up key per group). Off in the recipe until a card run "
         "confirms it.",
     ),
     Switch(

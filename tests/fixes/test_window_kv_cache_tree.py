@@ -55,20 +55,24 @@ def tree(request, tmp_path_factory):
 
 # ---------------------------------------------------------------- Beam's layers in a vLLM config
 
-@pytest.fixture(scope="module")
-def beam_config():
+def beam_vllm_config(block_size: int = BS, window: int = WINDOW):
     """A VllmConfig whose forward context holds Beam's 52 attention layers (real Attention)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
 
     config = VllmConfig()
-    config.cache_config.block_size = BS
+    config.cache_config.block_size = block_size
     config.cache_config.kv_cache_layout = "LBHNC"  # vLLM's identity layout (the engine core resolves it)
     with set_current_vllm_config(config):
-        for name, window in beam_layer_windows(WINDOW).items():
+        for name, w in beam_layer_windows(window).items():
             Attention(4, HEAD, 0.25, num_kv_heads=HEADS, cache_config=config.cache_config,
-                      per_layer_sliding_window=window, prefix=name)
+                      per_layer_sliding_window=w, prefix=name)
     return config
+
+
+@pytest.fixture(scope="module")
+def beam_config():
+    return beam_vllm_config()
 
 
 def runner_module_globals(path: Path) -> dict:
@@ -95,8 +99,8 @@ def runner_method(tree, name: str, globals_: dict):
     return load(tree.runner, name, RUNNER_CLS, **globals_)
 
 
-def kv_cache_specs(tree, config, model_type: str, globals_: dict) -> dict:
-    runner = SimpleNamespace(vllm_config=config, kv_cache_dtype=torch.bfloat16, shared_kv_cache_layers={},
+def kv_cache_specs(tree, config, model_type: str, globals_: dict, dtype=torch.bfloat16) -> dict:
+    runner = SimpleNamespace(vllm_config=config, kv_cache_dtype=dtype, shared_kv_cache_layers={},
                              model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type)))
     return runner_method(tree, "get_kv_cache_spec", globals_)(runner)
 
@@ -176,21 +180,25 @@ def tree_kv_cache_shape(root: Path):
     return namespace["get_kv_cache_shape"]
 
 
-def runner_for_kv_init(tree, config, globals_: dict):
+def runner_for_kv_init(tree, config, globals_: dict, into=None, block_size: int = BS):
     """The runner fields initialize_kv_cache and may_reinitialize_input_batch read, as a fresh
     HPUModelRunner has them for Beam (no Mamba, no encoder-only layers, no KV transfer), with
-    the tree's InputBatch of one block table and the tree's own helper methods bound."""
+    the tree's InputBatch of one block table and the tree's own helper methods bound. `into`: a
+    runner object to give the fields it lacks (and the methods) instead of a new namespace."""
+    BS = block_size  # noqa: N806  (the module's figure unless told)
     input_batch_cls = tree_input_batch_class(tree.root)
     globals_ = {**globals_, "InputBatch": input_batch_cls}
 
+    max_reqs = getattr(into, "max_num_reqs", 4)
+
     def new_batch(block_sizes):
-        return input_batch_cls(max_num_reqs=4, max_model_len=4096, max_num_batched_tokens=512, device="cpu",
+        return input_batch_cls(max_num_reqs=max_reqs, max_model_len=4096, max_num_batched_tokens=512, device="cpu",
                                pin_memory=False, vocab_size=64, block_sizes=block_sizes,
                                kernel_block_sizes=block_sizes)
 
     runner = SimpleNamespace(
         vllm_config=config, cache_config=config.cache_config, model_config=SimpleNamespace(
-            use_mla=False, get_vocab_size=lambda: 64), max_num_reqs=4, max_model_len=4096, max_encoder_len=0,
+            use_mla=False, get_vocab_size=lambda: 64), max_num_reqs=max_reqs, max_model_len=4096, max_encoder_len=0,
         max_num_tokens=512, device="cpu", pin_memory=False, is_pooling_model=False,
         _compact_gdn_group_ids=set(), _compact_gdn_group_offset={}, _compact_gdn_enabled=False,
         shared_kv_cache_layers={}, runner_only_attn_layers=set(), num_mamba_like_layers=0, num_gdn=0,
@@ -198,6 +206,11 @@ def runner_for_kv_init(tree, config, globals_: dict):
         attn_groups=["set: initialize_attn_backend returns at once"], enable_bucketing=False,
         attn_block_size=BS, block_size=BS, kv_caches=[],
         attn_backend=SimpleNamespace(get_kv_cache_shape=tree_kv_cache_shape(tree.root)))
+    if into is not None:
+        for name, value in vars(runner).items():
+            if not hasattr(into, name):
+                setattr(into, name, value)
+        runner = into
     runner.input_batch = new_batch([BS])
     for name in ("maybe_add_kv_sharing_layers_to_kv_cache_groups", "may_add_encoder_only_layers_to_kv_cache_config",
                  "initialize_attn_backend", "may_reinitialize_input_batch"):

@@ -86,13 +86,14 @@ class Steps:
     """vLLM's manager and a scripted scheduler; each step built by the patched tree's runner."""
 
     def __init__(self, trees, seed: int, window_kv: bool = True, merged: bool = False, dp_padding: int = 0,
-                 with_unit: bool = True, async_scheduling: bool = False):
+                 with_unit: bool = True, async_scheduling: bool = False, kc=None, runner=None):
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
         self.rng = random.Random(seed)
-        kc = beam_kv_cache_config(BS, WINDOW, NUM_BLOCKS)[1] if window_kv else full_only_config(NUM_BLOCKS)
+        if kc is None:  # `kc` and `runner` given: a runner built elsewhere (the end-to-end test's)
+            kc = beam_kv_cache_config(BS, WINDOW, NUM_BLOCKS)[1] if window_kv else full_only_config(NUM_BLOCKS)
         self.kc, self.window_kv = kc, window_kv
         self.groups = [g.layer_names for g in kc.kv_cache_groups]
         self.windows = [getattr(g.kv_cache_spec, "sliding_window", None) for g in kc.kv_cache_groups]
@@ -103,7 +104,7 @@ class Steps:
         args = dict(block_size=BS, window=WINDOW, num_kv_blocks=NUM_BLOCKS, merged_prefill=merged,
                     dp_padding=dp_padding, async_scheduling=async_scheduling)
         self.with_unit = with_unit  # without it: the tree builds every layer's metadata from group 0's table
-        self.runner = make_runner(trees[0 if with_unit else 1].runner, kc, **args)
+        self.runner = runner or make_runner(trees[0 if with_unit else 1].runner, kc, **args)
         self.reference = make_runner(trees[1].runner, kc, **args)  # the tree without this unit
         self.buffer_of = {n: j for j, names in enumerate(wkv.shared_buffer_layers(self.groups)) for n in names}
         self.caches = [torch.zeros((NUM_BLOCKS + 1) * BS) for _ in wkv.shared_buffer_layers(self.groups)]
@@ -191,7 +192,9 @@ class Steps:
 
     # ---- one step through the runner
 
-    def step(self) -> None:
+    def plan_step(self):
+        """Admit, schedule and lay out one step: (batch, number of decodes, views of the batch's
+        requests, every group's table rows, the scheduler output)."""
         if len(self.seqs) < 4 and self.rng.random() < 0.7 or not self.seqs:
             self.admit()
         if len(self.seqs) < 4 and self.rng.random() < 0.3:  # two fresh prompts in one step
@@ -207,6 +210,11 @@ class Steps:
         sched = SimpleNamespace(total_num_scheduled_tokens=sum(n for _, n in batch),
                                 num_scheduled_tokens={s.rid: n for s, n in batch},
                                 scheduled_spec_decode_tokens={s.rid: s.drafts for s in order if s.drafts})
+        return batch, num_decodes, views, tables, sched
+
+    def step(self) -> None:
+        batch, num_decodes, views, tables, sched = self.plan_step()
+        order = [seq for seq, _ in batch]
         set_batch(self.runner, views, tables, WIDTH)
         self.runner.invalid_req_indices = []
         out = self.runner._prepare_inputs(sched, len(batch) - num_decodes, num_decodes)

@@ -156,9 +156,11 @@ def make_runner(runner_path: Path, kv_cache_config, *, block_size: int, window: 
     return runner
 
 
-def set_batch(runner, seqs: list, tables: list[list[list[int]]], width: int) -> None:
+def set_batch(runner, seqs: list, tables: list[list[list[int]]], width: int, block_table=None) -> None:
     """The input batch for `seqs` (in batch order: objects with .rid, .tokens (through the step's
-    drafts), .computed and .prompt_len), with tables[g][b] the block table of seqs[b] in group g."""
+    drafts), .computed and .prompt_len), with tables[g][b] the block table of seqs[b] in group g.
+    `block_table`: a real vLLM MultiGroupBlockTable (the runner's InputBatch's) to hold the rows,
+    in place of a fresh table per group."""
     token_ids = np.zeros((max(len(seqs), 1), 4096), dtype=np.int32)
     for b, s in enumerate(seqs):
         token_ids[b, :len(s.tokens)] = s.tokens
@@ -167,4 +169,11 @@ def set_batch(runner, seqs: list, tables: list[list[list[int]]], width: int) -> 
         num_computed_tokens_cpu=np.array([s.computed for s in seqs], dtype=np.int32),
         num_prompt_tokens=np.array([s.prompt_len for s in seqs], dtype=np.int32),
         token_ids_cpu=token_ids, token_ids_cpu_tensor=torch.from_numpy(token_ids), prev_sampled_token_ids=None,
-        block_table=GroupTables(tables, width))
+        block_table=GroupTables(tables, width) if block_table is None else fill_rows(block_table, tables))
+
+
+def fill_rows(block_table, tables: list[list[list[int]]]):
+    """Row b of every group's table: the request's blocks in that group (MultiGroupBlockTable.add_row)."""
+    for b in range(len(tables[0])):
+        block_table.add_row(tuple(rows[b] for rows in tables), b)
+    return block_table

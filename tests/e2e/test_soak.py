@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -36,9 +37,8 @@ from tests.support.parallel import VLLM_PORT_BASE, WORKER_PORT_SPAN, free_ports,
 pytestmark = pytest.mark.slow
 
 POLICY = RestartPolicy(unhealthy_after_secs=20.0, startup_timeout_secs=600.0)
-# Long enough that the kill always lands while it runs, however slow the host's client side is: at
-# 600 tokens (2-3 s on a quiet host) one run on a loaded host saw the stream finish ("length")
-# before the engine core was killed. The demo's context is 4096 tokens.
+# Long, so the engine is still generating when the kill lands (it is timed by the engine's own
+# running gauge: open_stream_and_kill_engine). The demo's context is 4096 tokens.
 ENDLESS = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Repeat after me: Paris"}],
            "temperature": 0, "max_tokens": 4000, "ignore_eos": True, "stream": True}
 SHORT = Case("next", {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Repeat after me: Rome"}],
@@ -71,30 +71,58 @@ def wait_fleet_healthy(fleet, timeout=600):
     raise AssertionError(f"fleet not healthy after {timeout}s: {router_view(fleet)}")
 
 
-def open_stream_and_kill_engine(base_url, fleet, chunks_before_kill=3, index=None):
-    """Stream ENDLESS from `base_url`; after a few data events SIGKILL the engine core of the
-    replica running it (`index`, or the one whose /metrics shows a running request). Returns
-    (the data lines after the kill, the replica index)."""
-    known = index
-    lines, after, index = [], [], None
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=ENDLESS, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            (after if index is not None else lines).append(line)
-            if index is None and len(lines) >= chunks_before_kill:
-                index = known if known is not None else running_replica(fleet)
-                os.kill(procs.engine_core_pid(fleet.replica_procs[index].pid), signal.SIGKILL)
-    return after, index
+def open_stream_and_kill_engine(base_url, fleet, index=None):
+    """Stream ENDLESS from `base_url` and SIGKILL the engine core of the replica running it
+    (`index`, or the one whose /metrics shows a running request) once the response has begun
+    (status 200 received) and that engine reports the request running. The kill is timed by the
+    engine's own gauge, not by how many chunks the client has read: a fast engine behind a slow
+    client (or a router's buffering) once finished all its tokens before a chunk-counted kill.
+    Returns (every data line the stream carried, the replica index)."""
+    begun, lines, failure = threading.Event(), [], []
+
+    def stream():
+        try:
+            with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=ENDLESS, timeout=120) as r:
+                lines.append(r.status_code)
+                begun.set()
+                lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
+        except Exception as exc:  # noqa: BLE001  (reported below, in the test's thread)
+            failure.append(exc)
+            begun.set()
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert begun.wait(120) and not failure, failure
+    assert lines[0] == 200, lines[:1]
+    deadline = time.monotonic() + 60
+    while True:
+        busy = running_replicas(fleet, [index] if index is not None else None)
+        if (index is None and len(busy) == 1) or (index is not None and index in busy):
+            break
+        assert time.monotonic() < deadline, f"no replica reports the stream running: {busy}"
+        time.sleep(0.05)
+    index = busy[0] if index is None else index
+    os.kill(procs.engine_core_pid(fleet.replica_procs[index].pid), signal.SIGKILL)
+    reader.join(180)
+    assert not reader.is_alive() and not failure, failure
+    return lines[1:], index
 
 
-def running_replica(fleet) -> int:
+def running_replicas(fleet, only=None) -> list[int]:
+    """The replicas (of `only`, default all) whose engine reports a request running; one that does
+    not answer /metrics (restarting) runs nothing."""
     from beam_hpu.replicas.soak import replica_gauge
 
-    busy = [r.index for r in fleet.layout.replicas if replica_gauge(r.url, "vllm:num_requests_running") > 0]
-    assert len(busy) == 1, busy
-    return busy[0]
+    busy = []
+    for r in fleet.layout.replicas:
+        if only is not None and r.index not in only:
+            continue
+        try:
+            if replica_gauge(r.url, "vllm:num_requests_running") > 0:
+                busy.append(r.index)
+        except httpx.HTTPError:
+            continue
+    return busy
 
 
 def assert_error_event_then_done(after):

@@ -28,8 +28,8 @@ def assert_identical(auto: dict, beam: dict, where: str) -> int:
     return len(auto)
 
 
-def check_identity(model, tmp_path, dtype):
-    for tp, ep in CONFIGS:
+def check_identity(model, tmp_path, dtype, configs=CONFIGS):
+    for tp, ep in configs:
         auto = loaded_states(model, tmp_path, "auto", dtype, tp, ep)
         beam = loaded_states(model, tmp_path, "beam", dtype, tp, ep)
         assert len(auto) == len(beam) == tp
@@ -44,7 +44,11 @@ def check_identity(model, tmp_path, dtype):
 
 @pytest.mark.slow
 def test_bf16_state_identical_to_auto(tiny_bf16, tmp_path):
-    check_identity(tiny_bf16, tmp_path, "bfloat16")
+    # TP 2 + EP only: it slices bf16 attention as TP 2 does and bf16 experts by expert; TP 1 and
+    # TP 2 without EP are covered by the FP8 run below (the same row reader; its embeddings, norms
+    # and lm_head are bf16). Six engine starts here were the suite's longest test (13 min on a
+    # loaded 2-core host).
+    check_identity(tiny_bf16, tmp_path, "bfloat16", configs=[(2, True)])
 
 
 @pytest.mark.slow

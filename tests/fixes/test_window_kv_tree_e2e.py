@@ -33,7 +33,7 @@ from test_window_kv_cache_tree import (beam_vllm_config, kv_cache_config, kv_cac
                                        runner_module_globals)
 from test_window_kv_tree_forward import TreeRun
 from test_window_kv_tree_steps import BS, WINDOW, WIDTH, Steps
-from window_kv_runner import make_runner, set_batch
+from window_kv_runner import keys_read, make_runner, set_batch
 
 from beam_hpu.hpu import window_kv as wkv
 from fixes.engine import EXIT_OK
@@ -182,10 +182,7 @@ class Served(Steps):
             owners = (md.window_block_groups if sliding else md.block_groups).tolist()
             bias = md.window_attn_bias if sliding else md.attn_bias
             cache = self.cache_of(name)
-            got = [[] for _ in range(rows)]
-            for i, (bid, row) in enumerate(zip(blocks, owners)):
-                if 0 <= row < rows:
-                    got[row] += [int(cache[bid * BS + o]) for o in range(BS) if bias[i, o] == 0]
+            got = keys_read(cache, blocks, owners, bias, rows, BS)
             for s, (seq, n) in enumerate(zip(seqs, num_tokens)):
                 for j in range(n):
                     self.expect(got[s * per_seq + j], name, seq.tokens + seq.drafts, seq.computed + j, sliding)

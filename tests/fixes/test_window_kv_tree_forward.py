@@ -36,6 +36,7 @@ from test_port_patches import PROCESSOR_CLS, RUNNER_CLS, apply, gaudi_units
 from test_window_kv_tree_decode import BS, NUM_BLOCKS, WINDOW, Cluster
 
 from beam_hpu.hpu import window_kv as wkv
+from tests.support.hpu_graph_hash import bridge_hash, bridge_tensors
 from fixes.engine import EXIT_OK
 from fixes.profile import load_profile
 from test_port_patches import PORT_PROFILE  # noqa: E402
@@ -159,27 +160,6 @@ def metadata_record(fields, seq_len, num_blocks):
         for f in fields:
             setattr(self, f, values.get(f))
     return type("HPUAttentionMetadataV1Record", (), {"__init__": init, "seq_len": seq_len, "num_blocks": num_blocks})
-
-
-def bridge_hash(obj):
-    """habana_frameworks/torch/hpu/graphs.py input_hash, restated: dicts by items, tuples and
-    lists by element, tensors by shape, anything else by value."""
-    if isinstance(obj, dict):
-        return bridge_hash(tuple(obj.items()))
-    if isinstance(obj, (list, tuple)):
-        return hash(tuple(bridge_hash(x) for x in obj))
-    if torch.is_tensor(obj):
-        return hash(obj.shape)
-    return hash(obj)
-
-
-def bridge_tensors(obj) -> list:
-    """The user input tensors the wrapper lists (get_user_input_tensor_list's walk)."""
-    if isinstance(obj, dict):
-        return [t for kv in obj.items() for t in bridge_tensors(kv)]
-    if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in bridge_tensors(x)]
-    return [obj] if torch.is_tensor(obj) else []
 
 
 class CapturingCluster(Cluster):

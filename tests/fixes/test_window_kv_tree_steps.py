@@ -30,7 +30,7 @@ from decode_step import write_kv
 from gaudi_source import RUNNER, load
 from test_fixes_gaudi import copy_tree, pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
 from test_port_patches import PROCESSOR_CLS, apply, gaudi_units
-from window_kv_runner import make_runner, set_batch
+from window_kv_runner import keys_read, make_runner, set_batch
 
 from beam_hpu.hpu import window_kv as wkv
 from beam_hpu.hpu import window_kv_steps as steps
@@ -341,10 +341,7 @@ class Steps:
             assert not any(b == wkv.NULL_BLOCK_ID for b, r in zip(blocks, owners) if r in real and sliding)
             for name in names:
                 cache = self.caches[self.buffer_of[name]]
-                got = [[] for _ in range(rows)]
-                for i, (bid, row) in enumerate(zip(blocks, owners)):
-                    if 0 <= row < rows:
-                        got[row] += [int(cache[bid * BS + o]) for o in range(BS) if bias[i, o] == 0]
+                got = keys_read(cache, blocks, owners, bias, rows, BS)
                 for s, (seq, n) in enumerate(zip(seqs, num_tokens)):
                     for j in range(n):
                         q = seq.computed + j

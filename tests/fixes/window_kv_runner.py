@@ -177,3 +177,13 @@ def fill_rows(block_table, tables: list[list[list[int]]]):
     for b in range(len(tables[0])):
         block_table.add_row(tuple(rows[b] for rows in tables), b)
     return block_table
+
+
+def keys_read(cache, blocks, owners, bias, rows: int, block_size: int) -> list[list[int]]:
+    """Per batch row, the key codes a decode row reads from `cache` through a block list, its
+    block-to-row mapping and its mask (0 = attended), in block-list order."""
+    got = [[] for _ in range(rows)]
+    for i, (bid, row) in enumerate(zip(blocks, owners)):
+        if 0 <= row < rows:
+            got[row] += [int(cache[bid * block_size + o]) for o in range(block_size) if bias[i, o] == 0]
+    return got

@@ -12,6 +12,7 @@ import torch
 
 from beam_hpu.hpu import window_kv as wkv
 from beam_hpu.hpu import window_kv_metadata as wkm
+from tests.support.hpu_graph_hash import bridge_hash, bridge_tensors
 
 GROUPS = [["full.0", "full.1"], ["slide.0", "slide.1"], ["slide.2"]]
 Trimmed = namedtuple("Trimmed", "block_list window_block_list is_prompt block_size")
@@ -30,25 +31,6 @@ def grouped(is_prompt=False, offset=0):
 
 def trim(md):
     return Trimmed(md.block_list, md.window_block_list, md.is_prompt, md.block_size)
-
-
-def bridge_hash(obj):
-    """habana_frameworks' input_hash rule, restated: what an HPU graph is looked up by."""
-    if isinstance(obj, dict):
-        return bridge_hash(tuple(obj.items()))
-    if isinstance(obj, (list, tuple)):
-        return hash(tuple(bridge_hash(x) for x in obj))
-    if torch.is_tensor(obj):
-        return hash(obj.shape)
-    return hash(obj)
-
-
-def tensors(obj):
-    if isinstance(obj, dict):
-        return [t for kv in obj.items() for t in tensors(kv)]
-    if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in tensors(x)]
-    return [obj] if torch.is_tensor(obj) else []
 
 
 def test_trim_and_process_run_once_per_group_and_keep_each_layers_group():
@@ -80,9 +62,9 @@ def test_graph_key_depends_on_shapes_only_and_lists_each_tensor_once():
     longer = grouped()
     longer.groups[1].window_block_list = torch.tensor([5, 6, 8])
     assert bridge_hash(wkm.trim_groups(longer, trim)) != bridge_hash(a)
-    assert len(tensors(a)) == 3 * 2  # two tensors a group, once each
+    assert len(bridge_tensors(a)) == 3 * 2  # two tensors a group, once each
     per_layer = {name: trim(g) for name, g in grouped().items()}  # the per-layer dict, for contrast
-    assert len(tensors(per_layer)) == 5 * 2
+    assert len(bridge_tensors(per_layer)) == 5 * 2
 
 
 def test_prompt_block_lists_are_every_groups():

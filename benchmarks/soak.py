@@ -9,8 +9,8 @@ a warm-up, an unfaulted phase, and a faulted phase under the same load with the 
 `default_schedule` (replica 0: engine core SIGKILLed, API server SIGKILLed, hung by SIGSTOP
 until the supervisor restarts it; replica 1: SIGSTOPped past the router's health check, then
 SIGCONT). It prints every input, the table (requests by outcome, router retries, latency and
-TTFT percentiles, recovery per fault, survivors' RSS / fds / threads against a bound from the
-unfaulted phase, answers equal to the unfaulted run's), and what was checked.
+TTFT percentiles, recovery per fault, survivors' heap / fds / threads against a bound from the
+same run (`growth_bounds`), answers equal to the unfaulted run's), and what was checked.
 
 The figures are one run on this host; latency on 2 shared cores says nothing about Gaudi.
 """

@@ -57,19 +57,28 @@ def engine_core_pid(api_server_pid: int) -> int | None:
 
 @dataclass(frozen=True)
 class Usage:
+    """Summed over a process tree. `rss_mib` is VmRSS; its parts: `anon_mib` (RssAnon: heaps, the
+    only place a leak of objects or buffers lands), `file_mib` (RssFile: code and mapped files,
+    paged in on first use and bounded by the files), `shmem_mib` (RssShmem: shared memory)."""
+
     rss_mib: float
     fds: int
     threads: int
     processes: int
+    anon_mib: float = 0.0
+    file_mib: float = 0.0
+    shmem_mib: float = 0.0
 
     def __sub__(self, other: "Usage") -> "Usage":
         return Usage(self.rss_mib - other.rss_mib, self.fds - other.fds, self.threads - other.threads,
-                     self.processes - other.processes)
+                     self.processes - other.processes, self.anon_mib - other.anon_mib,
+                     self.file_mib - other.file_mib, self.shmem_mib - other.shmem_mib)
 
 
 def usage(root_pid: int) -> Usage:
     """What `root_pid` and its descendants hold now (processes that vanish while read are skipped)."""
     rss_kib, fds, threads, n = 0, 0, 0, 0
+    parts = {"RssAnon": 0, "RssFile": 0, "RssShmem": 0}
     for pid in [root_pid, *descendants(root_pid)]:
         try:
             status = (PROC / str(pid) / "status").read_text()
@@ -80,7 +89,10 @@ def usage(root_pid: int) -> Usage:
         if fields.get("State", "").strip().startswith("Z"):
             continue
         rss_kib += int(fields.get("VmRSS", "0 kB").split()[0])
+        for key in parts:
+            parts[key] += int(fields.get(key, "0 kB").split()[0])
         threads += int(fields.get("Threads", "0").strip())
         fds += fd_count
         n += 1
-    return Usage(rss_kib / 1024, fds, threads, n)
+    return Usage(rss_kib / 1024, fds, threads, n, parts["RssAnon"] / 1024, parts["RssFile"] / 1024,
+                 parts["RssShmem"] / 1024)

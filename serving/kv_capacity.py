@@ -70,14 +70,23 @@ class MemoryFigures:
     graph_reserved: float = 0.4  # VLLM_GRAPH_RESERVED_MEM
 
 
-def layer_specs(shape: AttentionShape, block_size: int, dtype: torch.dtype) -> dict:
+def layer_specs(shape: AttentionShape, block_size: int, dtype: torch.dtype, first_layer: int = 0) -> dict:
     """layer name -> FullAttentionSpec, as HPUModelRunner.get_kv_cache_spec emits them."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     return {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(block_size=block_size,
                                                                   num_kv_heads=shape.kv_heads_per_card,
                                                                   head_size=shape.head_dim, dtype=dtype)
-            for i in range(shape.num_layers)}
+            for i in range(first_layer, first_layer + shape.num_layers)}
+
+
+def drafter_specs(shape: AttentionShape, block_size: int, dtype: torch.dtype, layers: int) -> dict:
+    """An EAGLE drafter's attention layers in the same runner: vLLM numbers them after the target's
+    (model.layers.52...), each allocated as full attention whatever its own window
+    (beam_hpu.hpu.window_kv.allocation_windows). Assumed: Beam's KV shape (8 KV heads of 128), as
+    EAGLE heads copy the target's attention config; no Beam drafter is published to check."""
+    return layer_specs(AttentionShape(layers, shape.kv_heads, shape.head_dim, shape.tp), block_size, dtype,
+                       first_layer=shape.num_layers) if layers else {}
 
 
 # Beam-1.0's layer_types: full attention on every 6th layer and the last; the rest slide over 512.
@@ -153,18 +162,23 @@ def per_sequence_tokens(blocks: int, block_size: int, sequences: int, max_model_
     return min(max_model_len, (blocks - 1) // sequences * block_size)
 
 
-def capacity(shape: AttentionShape, memory: MemoryFigures, block_size: int, dtype: torch.dtype) -> dict:
-    specs = layer_specs(shape, block_size, dtype)
+def capacity(shape: AttentionShape, memory: MemoryFigures, block_size: int, dtype: torch.dtype,
+             drafter_layers: int = 0) -> dict:
+    specs = layer_specs(shape, block_size, dtype) | drafter_specs(shape, block_size, dtype, drafter_layers)
     available = kv_cache_bytes(specs, memory)
     blocks = pool_blocks(specs, available, block_size)
     return {"bytes_per_token": kv_bytes_per_token(specs), "kv_cache_bytes": available, "blocks": blocks,
             "tokens": blocks * block_size}
 
 
-def window_capacity(shape: AttentionShape, memory: MemoryFigures, block_size: int, dtype: torch.dtype) -> dict:
+def window_capacity(shape: AttentionShape, memory: MemoryFigures, block_size: int, dtype: torch.dtype,
+                    drafter_layers: int = 0) -> dict:
     """capacity() under a window-sized cache: the same worker split (its dummy block is one page of
-    every layer either way), vLLM's grouping and division over the window specs."""
-    specs = window_layer_specs(layer_specs(shape, block_size, dtype))
+    every layer either way), vLLM's grouping and division over the window specs. A drafter's layers
+    join the full group, which makes every group that many layers wider (vLLM pads the sliding
+    groups to the same width: 10 buffers for 9 + 1)."""
+    specs = window_layer_specs(layer_specs(shape, block_size, dtype)) | drafter_specs(shape, block_size, dtype,
+                                                                                      drafter_layers)
     groups = kv_cache_groups(specs, block_size)
     available = kv_cache_bytes(specs, memory)
     blocks = pool_blocks(specs, available, block_size, groups)
@@ -186,10 +200,19 @@ def longest_context(blocks: int, block_size: int, sequences: int, sliding_groups
     return ((blocks - 1) // sequences - sliding_groups * sliding_blocks) * block_size
 
 
+POOL_ROWS = (  # (name, window-sized, KV dtype, drafter layers)
+    ("bf16 full", False, torch.bfloat16, 0), ("FP8 full", False, torch.float8_e4m3fn, 0),
+    ("bf16 window", True, torch.bfloat16, 0), ("FP8 window", True, torch.float8_e4m3fn, 0),
+    ("bf16 full + EAGLE layer", False, torch.bfloat16, 1), ("bf16 window + EAGLE layer", True, torch.bfloat16, 1),
+    ("FP8 window + EAGLE layer", True, torch.float8_e4m3fn, 1),
+)
+
+
 def pool_table(shape: AttentionShape = BEAM_501B_TP8, *, block_size: int = 128, max_model_len: int = 262_144,
                sequences: int = 16, free_bytes: float | None = None) -> list[str]:
-    """bf16 full, FP8 full, bf16 window, FP8 window: blocks, the pool's context tokens, and the
-    longest context each of `sequences` sequences holds, at the central F of the recipe's figures."""
+    """bf16 full, FP8 full, bf16 window, FP8 window, and with a one-layer EAGLE drafter beside Beam
+    (vLLM's speculative config only marks the drafter's group, it does not change the division): blocks, the pool's context tokens, and the longest context each of `sequences` sequences
+    holds, at the central F of the recipe's figures."""
     if free_bytes is None:
         free_bytes = free_from_graph_reserve(RECIPE_GRAPH_RESERVE_GIB, MemoryFigures(0.0))
     memory = MemoryFigures(free_bytes)
@@ -197,19 +220,18 @@ def pool_table(shape: AttentionShape = BEAM_501B_TP8, *, block_size: int = 128, 
     lines = [f"| KV cache | bytes / context token / card | blocks | pool (context tokens, {sequences} sequences) "
              f"| x bf16 full | longest context, {sequences} sequences each |", "|---|---|---|---|---|---|"]
     base = None
-    for kind in ("full", "window"):
-        for name, dtype in (("bf16", torch.bfloat16), ("FP8", torch.float8_e4m3fn)):
-            if kind == "full":
-                c = capacity(shape, memory, block_size, dtype)
-                c["sliding_groups"] = 0
-            else:
-                c = window_capacity(shape, memory, block_size, dtype)
-            pool = context_tokens(c["blocks"], block_size, sequences, c["sliding_groups"], sliding_blocks)
-            base = base or pool
-            longest = longest_context(c["blocks"], block_size, sequences, c["sliding_groups"], sliding_blocks)
-            every = f" (all {max_model_len // 1024}K)" if longest >= max_model_len else ""
-            lines.append(f"| {name} {kind} | {c['bytes_per_token']:,.0f} | {c['blocks']:,} | {pool:,} | "
-                         f"{pool / base:.2f} | {longest:,}{every} |")
+    for name, window, dtype, drafter_layers in POOL_ROWS:
+        if not window:
+            c = capacity(shape, memory, block_size, dtype, drafter_layers)
+            c["sliding_groups"] = 0
+        else:
+            c = window_capacity(shape, memory, block_size, dtype, drafter_layers)
+        pool = context_tokens(c["blocks"], block_size, sequences, c["sliding_groups"], sliding_blocks)
+        base = base or pool
+        longest = longest_context(c["blocks"], block_size, sequences, c["sliding_groups"], sliding_blocks)
+        every = f" (all {max_model_len // 1024}K)" if longest >= max_model_len else ""
+        lines.append(f"| {name} | {c['bytes_per_token']:,.0f} | {c['blocks']:,} | {pool:,} | "
+                     f"{pool / base:.2f} | {longest:,}{every} |")
     return lines
 
 

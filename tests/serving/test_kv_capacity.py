@@ -110,3 +110,26 @@ def test_the_pool_table_prints_the_four_caches(capsys):
     ratio = float(rows["bf16 window"].split(" | ")[4])
     assert ratio >= 5 and "(all 256K)" in rows["bf16 window"] and "(all 256K)" in rows["FP8 window"]
     assert "\n".join(kc.pool_table()) in out  # the README's generated table is this one
+
+
+def test_an_eagle_drafter_layer_widens_every_window_group_to_10_layers():
+    """The drafter's layer joins the full group; vLLM pads the five sliding groups to the same width,
+    so a block costs 10 layers' pages instead of 9 and the bf16 window pool no longer holds 16
+    sequences at 256K (FP8 still does)."""
+    f = kc.free_from_graph_reserve(kc.RECIPE_GRAPH_RESERVE_GIB, kc.MemoryFigures(0.0))
+    specs = kc.window_layer_specs(kc.layer_specs(kc.BEAM_501B_TP8, 128, torch.bfloat16)) | \
+        kc.drafter_specs(kc.BEAM_501B_TP8, 128, torch.bfloat16, 1)
+    assert "model.layers.52.self_attn.attn" in specs and len(specs) == 53
+    groups = kc.kv_cache_groups(specs, 128)
+    full = [g for g in groups if getattr(g.kv_cache_spec, "sliding_window", None) is None]
+    assert len(groups) == 6 and len(full) == 1 and len(full[0].layer_names) == 10
+    win = kc.window_capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16)
+    eagle = kc.window_capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16, drafter_layers=1)
+    assert eagle["bytes_per_token"] == 10 * 512 and eagle["sliding_groups"] == 5
+    assert win["blocks"] * 9 // 10 - 1 <= eagle["blocks"] <= win["blocks"] * 9 // 10 + 1
+    assert kc.longest_context(eagle["blocks"], 128, 16, 5, 5) < 262_144
+    fp8 = kc.window_capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.float8_e4m3fn, drafter_layers=1)
+    assert kc.longest_context(fp8["blocks"], 128, 16, 5, 5) >= 262_144
+    full_eagle = kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16, drafter_layers=1)
+    bf16 = kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16)
+    assert bf16["blocks"] * 52 // 53 - 1 <= full_eagle["blocks"] <= bf16["blocks"] * 52 // 53 + 1

@@ -307,9 +307,8 @@ def warmup_defragmenter_statements(tree) -> list[ast.If]:
             and "OnlineDefragmenter" in ast.unparse(n)]
 
 
+@pytest.mark.parametrize("tree", ["port"], indirect=True)  # the stock tree cannot allocate it (above)
 def test_defragmenter_gets_each_shared_buffer_once_and_moves_contents(tree, beam_config, unbound):
-    if not tree.port:
-        pytest.skip("the stock tree cannot allocate a window-sized config (test above)")
     globals_ = runner_module_globals(tree.runner)
     kc = window_kv_config(beam_config)
     runner, initialize = runner_for_kv_init(tree, beam_config, globals_)

@@ -102,11 +102,10 @@ class NoMemoryProfiler:
         return "(not measured on the host)"
 
 
+@pytest.mark.parametrize("tree", ["port"], indirect=True)  # the stock tree cannot allocate it (test_window_kv_cache_tree.py)
 def test_wake_up_rebuilds_the_cache_and_hands_the_defragmenter_each_buffer_once(tree, beam_config, unbound):
     # Sleep mode's wake-up re-initialises the KV cache through the runner's own initialize_kv_cache
     # and builds a new OnlineDefragmenter: with a window-sized cache it gets the 9 buffers.
-    if not tree.port:
-        pytest.skip("the stock tree cannot allocate a window-sized config (test_window_kv_cache_tree.py)")
     from test_window_kv_cache_tree import runner_for_kv_init, window_kv_config
     from test_window_kv_defrag import ROOT_ENV, tree_defragmenter_class
 

@@ -68,6 +68,23 @@ def forbidden_variables(launch: Launch) -> list[str]:
     return [f"{name} is set: {reason}" for name, reason in FORBIDDEN_ENV.items() if name in launch.env]
 
 
+# vllm-gaudi reads VLLM_MERGED_PREFILL as its `merged_prefill` config value, through its
+# extension.config.boolean: these spellings (lower-cased) turn it on, any other leaves it off.
+MERGED_PREFILL_ENV = "VLLM_MERGED_PREFILL"
+VLLM_GAUDI_TRUE = ("true", "t", "1", "yes", "y", "on")
+
+
+def merged_prefill(launch: Launch) -> list[str]:
+    value = launch.env.get(MERGED_PREFILL_ENV)
+    if value is None or value.lower() not in VLLM_GAUDI_TRUE:
+        return []
+    # tests/fixes/test_window_kv_tree_e2e.py::test_merged_prefill_through_the_three_units counts it.
+    return [f"{MERGED_PREFILL_ENV}={value}: vllm-gaudi's merged prefill is not exact with Beam's interleaved "
+            "sliding windows (BEAM_WINDOW_KV on or off): in a merged batch the sliding-window mask lets a "
+            "request's first tokens attend the previous request's last tokens, and a prompt with cached "
+            f"context gives the full layers other keys than its own; unset it or set {MERGED_PREFILL_ENV}=0"]
+
+
 def unbounded_fsdpa_workspace(launch: Launch) -> list[str]:
     if launch.switches["BEAM_FSDPA_WS_GIB"] != 0:
         return []
@@ -177,8 +194,8 @@ def speculation_on_hpu(launch: Launch) -> list[str]:
 
 
 RULES: list[Callable[[Launch], list[str]]] = [
-    forbidden_variables, unbounded_fsdpa_workspace, eager_on_hpu, mixed_parsers, openai_content_format,
-    data_parallel_on_cpu,
+    forbidden_variables, merged_prefill, unbounded_fsdpa_workspace, eager_on_hpu, mixed_parsers,
+    openai_content_format, data_parallel_on_cpu,
     speculation_on_hpu,
 ]
 

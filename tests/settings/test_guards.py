@@ -39,6 +39,17 @@ def test_qkv_slice_mode_is_refused_whatever_its_value(value):
     assert "sliding-window" in problems[0]
 
 
+@pytest.mark.parametrize("value, refused", [("1", True), ("true", True), ("On", True), ("Y", True),
+                                             ("0", False), ("false", False), ("", False), ("2", False)])
+def test_merged_prefill_is_refused_when_vllm_gaudi_would_turn_it_on(value, refused):
+    # The spellings are vllm-gaudi's (tests/fixes/test_merged_prefill_guard_tree.py reads them off the tree).
+    problems = startup_problems({"VLLM_MERGED_PREFILL": value}, args(), device_type="hpu")
+    assert bool(problems) == refused, problems
+    if refused:
+        assert len(problems) == 1 and problems[0].startswith(f"VLLM_MERGED_PREFILL={value}: ")
+        assert "sliding windows" in problems[0] and "VLLM_MERGED_PREFILL=0" in problems[0]
+
+
 @pytest.mark.parametrize(
     "max_model_len, refused",
     [(262144, True), (32768, True), (32767, False), (8192, False), (None, True), (-1, True)],

@@ -1,8 +1,9 @@
 """A replica's processes as Linux shows them in /proc: its tree, its engine core, and what the
-tree holds (resident memory, open file descriptors, threads). Read-only."""
+tree holds (resident memory, open file descriptors, threads, CPU time). Read-only."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,20 @@ def engine_core_pid(api_server_pid: int) -> int | None:
         if cmdline(pid).startswith(ENGINE_CORE_TITLE) and state(pid) not in (None, "Z"):
             return pid
     return None
+
+
+def cpu_seconds(root_pid: int) -> float:
+    """User + system CPU time of a process and its descendants so far (processes that have gone
+    count nothing): the engine core's, read while its API server is too busy to answer /metrics."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in [root_pid, *descendants(root_pid)]:
+        try:
+            fields = _stat_fields(pid)
+            total += int(fields[11]) + int(fields[12])  # utime, stime: /proc/PID/stat fields 14 and 15
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / tick
 
 
 @dataclass(frozen=True)

@@ -280,7 +280,8 @@ def recipe_table(shape: AttentionShape = BEAM_501B_TP8, *, block_size: int = 128
     sliding_blocks = window_block_count(BEAM_SLIDING_WINDOW, block_size)
     lines += ["", "Full-context against window-sized cache (BEAM_WINDOW_KV=1: the full group's 9 layers' K/V a "
               f"context token, each sequence also holding at most {sliding_blocks} blocks in each sliding group), "
-              "at the central F:", ""]
+              "at the central F; the '+ EAGLE layer' rows add a one-layer EAGLE drafter of Beam's KV shape "
+              "(assumed), which joins the full group and makes every group 10 layers wide:", ""]
     lines += pool_table(shape, block_size=block_size, max_model_len=max_model_len, sequences=sequences,
                         free_bytes=frees[1])
     return "\n".join(lines)

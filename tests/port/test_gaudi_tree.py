@@ -1,43 +1,47 @@
-"""The vllm-gaudi tree the Gaudi-side tests run on comes from ../shared without anyone setting
-GAUDI_FIXES_ROOT (tests/support/gaudi_tree.py): extracted once, reused, and a wrong archive refused."""
+"""Where the Gaudi-side tests get their vllm-gaudi tree (tests/support/gaudi_tree.py): a checkout
+already in the cache is used as it is; one is made from a git directory once, reused, and a git
+directory without the commit is refused with nothing left behind."""
 
 import os
 import subprocess
-import tarfile
 
 import pytest
 
-from tests.support.gaudi_tree import COMMIT_PREFIX, TARBALL, extract
-
-needs_tarball = pytest.mark.skipif(not TARBALL.is_file(), reason=f"{TARBALL} is absent (not beside this clone)")
+from tests.support.gaudi_tree import COMMIT, TREE_NAME, cached_tree, checkout_from_git
 
 
-@needs_tarball
-def test_this_session_runs_the_tree_tests_from_the_shared_tarball():
+def test_this_session_names_its_tree_or_says_why_not():
     root = os.environ.get("GAUDI_FIXES_ROOT")
-    assert root, "tests/conftest.py did not set GAUDI_FIXES_ROOT although the shared tarball is there"
-    head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    assert head.startswith(COMMIT_PREFIX), (root, head)
+    if cached_tree() is not None or os.environ.get("GAUDI_GIT"):
+        assert root, "tests/conftest.py did not set GAUDI_FIXES_ROOT although a tree can be had"
+    if root:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        assert head.startswith(COMMIT), (root, head)
 
 
-@needs_tarball
-def test_extract_once_then_reuse(tmp_path):
-    tree = extract(TARBALL, tmp_path)
-    assert (tree / "vllm_gaudi" / "__init__.py").is_file()
+def _git(*args, cwd):
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def test_a_git_directory_without_the_commit_is_refused_and_nothing_is_left(tmp_path):
+    repo = tmp_path / "not-gaudi"
+    repo.mkdir()
+    _git("init", "-q", cwd=repo)
+    (repo / "README.md").write_text("no package here\n")
+    _git("add", ".", cwd=repo)
+    _git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x", cwd=repo)
+    into = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match=COMMIT):
+        checkout_from_git(repo, into)
+    assert not (into / TREE_NAME).exists() and not list(into.glob(".*.partial"))
+
+
+@pytest.mark.skipif(not os.environ.get("GAUDI_FIXES_ROOT"), reason="no vllm-gaudi tree to clone from")
+def test_checkout_from_git_once_then_reuse(tmp_path):
+    src = os.environ["GAUDI_FIXES_ROOT"]
+    tree = checkout_from_git(src, tmp_path)
+    assert cached_tree(tmp_path) == tree and (tree / "vllm_gaudi" / "__init__.py").is_file()
     marker = tree / "vllm_gaudi" / "__init__.py"
     before = marker.stat().st_mtime_ns
-    assert extract(TARBALL, tmp_path) == tree and marker.stat().st_mtime_ns == before
+    assert checkout_from_git(src, tmp_path) == tree and marker.stat().st_mtime_ns == before
     assert not list(tmp_path.glob(".*.partial"))
-
-
-def test_an_archive_without_vllm_gaudi_is_refused_and_nothing_is_left(tmp_path):
-    src = tmp_path / "src" / "not-gaudi"
-    src.mkdir(parents=True)
-    (src / "README.md").write_text("no package here\n")
-    archive = tmp_path / "vllm-gaudi-091bbadd.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        tar.add(src, arcname="not-gaudi")
-    into = tmp_path / "cache"
-    with pytest.raises(RuntimeError, match="vllm_gaudi"):
-        extract(archive, into)
-    assert not (into / "vllm-gaudi-091bbadd").exists() and not list(into.glob(".*.partial"))

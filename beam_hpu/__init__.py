@@ -4,7 +4,7 @@
 in every process it starts (API server, EngineCore, each worker, the model-inspection
 subprocess), so it must be idempotent and cheap: the model is registered by name and imported
 only where vLLM builds it; each room registers itself; the runtime patches come from the index in
-`beam_hpu.patches`.
+`beam_hpu.runtime`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def register() -> None:
     from beam_hpu.loader import register as register_loader
     from beam_hpu.model.config import register_config
     from beam_hpu.parsers import register as register_parsers
-    from beam_hpu.patches import install_all
+    from beam_hpu.runtime import install_all
 
     register_config()
     _register_model()

@@ -2,7 +2,7 @@
 
 The plugin is installed into images that may serve other models, so each runtime patch and each
 port edit acts only when the model is Beam (transformers `model_type` "beam", beam_hpu.names),
-or its index entry says why it must be global (`scope`, beam_hpu/patches/__init__.py and the fix
+or its index entry says why it must be global (`scope`, beam_hpu/runtime/__init__.py and the fix
 units). Two ways to ask, by what the caller holds:
 - `serves_beam(vllm_config)`: an object that keeps its engine's VllmConfig (the scheduler).
 - `building_beam()`: code that runs while vLLM builds the model's layers (quant methods, linear

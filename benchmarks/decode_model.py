@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from beam_hpu.hpu.moe_gather import gathered_count  # noqa: E402
+from beam_hpu.runtime.fp8.hpu_moe_gather import gathered_count  # noqa: E402
 from beam_hpu.model.config import beam_config_class  # noqa: E402
 
 CARDS = 8  # TP 8 + --enable-expert-parallel

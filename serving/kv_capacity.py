@@ -14,7 +14,7 @@ The chain, each step from the code that does it (vllm-gaudi 091bbadd, vLLM 0.30.
 3. blocks: vLLM's `get_kv_cache_config_from_groups` divides that by the bytes of one block of
    every layer (`pool_blocks`), and logs `num_blocks * block_size` as the KV cache size.
 Under a window-sized KV cache (issue 26, BEAM_WINDOW_KV=1) the 43 sliding layers get
-`SlidingWindowSpec` (window 512; `window_layer_specs`, by beam_hpu.hpu.window_kv's own rules) and
+`SlidingWindowSpec` (window 512; `window_layer_specs`, by beam_hpu.runtime.window_kv.groups's own rules) and
 vLLM's `get_kv_cache_groups` forms 1 full + 5 sliding groups of 9 layers over 9 shared buffers, so
 a block costs 9 layers' pages instead of 52; the same bytes are divided by vLLM's same function
 (`pool_table`). A sequence then holds its context in the full group plus at most 5 blocks in each
@@ -36,7 +36,7 @@ from types import SimpleNamespace
 
 import torch
 
-from beam_hpu.hpu.window import window_block_count
+from beam_hpu.runtime.sliding_window.hpu_window import window_block_count
 
 GIB = 2**30
 RECIPE_POOL_TOKENS = 776_448  # the published recipe's "KV pool ... per replica"
@@ -83,7 +83,7 @@ def layer_specs(shape: AttentionShape, block_size: int, dtype: torch.dtype, firs
 def drafter_specs(shape: AttentionShape, block_size: int, dtype: torch.dtype, layers: int) -> dict:
     """An EAGLE drafter's attention layers in the same runner: vLLM numbers them after the target's
     (model.layers.52...), each allocated as full attention whatever its own window
-    (beam_hpu.hpu.window_kv.allocation_windows). Assumed: Beam's KV shape (8 KV heads of 128), as
+    (beam_hpu.runtime.window_kv.groups.allocation_windows). Assumed: Beam's KV shape (8 KV heads of 128), as
     EAGLE heads copy the target's attention config; no Beam drafter is published to check."""
     return layer_specs(AttentionShape(layers, shape.kv_heads, shape.head_dim, shape.tp), block_size, dtype,
                        first_layer=shape.num_layers) if layers else {}
@@ -99,7 +99,7 @@ def window_layer_specs(specs: dict, window: int = BEAM_SLIDING_WINDOW,
                        full_layers: frozenset = BEAM_FULL_ATTENTION_LAYERS) -> dict:
     """The specs under a window-sized cache: a SlidingWindowSpec for each sliding layer (in the
     order of `specs`, layer i), the FullAttentionSpec for the others."""
-    from beam_hpu.hpu.window_kv import allocation_windows, window_kv_spec
+    from beam_hpu.runtime.window_kv.groups import allocation_windows, window_kv_spec
 
     windows = allocation_windows({name: None if i in full_layers else window for i, name in enumerate(specs)})
     return {name: window_kv_spec(spec, windows[name]) for name, spec in specs.items()}

@@ -12,7 +12,7 @@ and whether the smaller per-block page changes graph memory.
 
 A window-sized cache only holds for the decode steps of sequences past their prefill: a sequence
 prefilling a chunk of c tokens holds ceil((W - 2 + c) / bs) + 1 blocks per sliding group while it
-runs (beam_hpu.hpu.window_kv.sliding_blocks_bound), printed as the prefill reserve.
+runs (beam_hpu.runtime.window_kv.groups.sliding_blocks_bound), printed as the prefill reserve.
 
 It also says which decode buckets of the recipe's file a batch can reach without sharing a prefix:
 a window cache changes no bucket's blocks (the full layers' list is the same; the sliding layers'

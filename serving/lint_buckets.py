@@ -49,7 +49,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from beam_hpu.hpu.window import window_block_count
+from beam_hpu.runtime.sliding_window.hpu_window import window_block_count
 from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry
 
 RANGE_CALL = re.compile(r"range\(\s*(-?\d+)\s*,\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)")

@@ -49,7 +49,7 @@ import math
 import sys
 from pathlib import Path
 
-from beam_hpu.hpu.window import window_block_count
+from beam_hpu.runtime.sliding_window.hpu_window import window_block_count
 from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry
 
 # vllm-gaudi treats a prompt context as long from this many tokens of --max-model-len on, and then

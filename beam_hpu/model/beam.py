@@ -54,7 +54,7 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from beam_hpu.cpu.fused_norm import beam_rms_norm
+from beam_hpu.model.cpu_fused_norm import beam_rms_norm
 from beam_hpu.model.config import validate_beam_config
 from beam_hpu.model.ops import swiglu_fp32
 

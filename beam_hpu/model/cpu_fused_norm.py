@@ -13,7 +13,7 @@ escape, so the HPU path must keep the vLLM class.
 Numerics: fp32 results are identical to vLLM's native path; in bf16 the kernel applies the weight
 before the final rounding (native rounds, then multiplies), at most one bf16 ulp apart. The kernel
 reads its input as contiguous rows, so strided views (q/k heads split from qkv) are copied first:
-given a strided view it returns wrong values (checked in tests/cpu/test_fused_norm.py).
+given a strided view it returns wrong values (checked in tests/model/test_cpu_fused_norm.py).
 Removable when vLLM registers its C norms for CPU.
 """
 

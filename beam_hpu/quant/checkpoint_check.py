@@ -13,7 +13,7 @@ What is checked (`check_fp8_checkpoint`):
   compressed-tensors' `match_quantizable_tensors`) is FP8 e4m3 and has an fp32 `weight_scale`
   of shape [out, 1]; no `weight_scale` belongs to an untargeted module; no `input_scale`
   (activations are dynamic);
-- with `require_portable_scheme` (CPU, where `beam_hpu.cpu.portable_fp8_moe` serves experts):
+- with `require_portable_scheme` (CPU, where `beam_hpu.runtime.fp8.portable_moe` serves experts):
   every config group is the published scheme: FP8 channel-symmetric static weights, dynamic
   per-token FP8 activations. On HPU vllm-gaudi's compressed-tensors methods decide which schemes
   they run, so the scheme check is left to them.

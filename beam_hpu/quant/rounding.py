@@ -1,6 +1,6 @@
 """Dynamic per-token FP8 activation quantisation in its two roundings (switch BEAM_EXACT_ROUNDING).
 
-One function serves the portable CPU FP8 experts (beam_hpu.cpu.portable_fp8_moe, in the mode the
+One function serves the portable CPU FP8 experts (beam_hpu.runtime.fp8.portable_moe, in the mode the
 switch names) and the per-token FP8 reference (beam_hpu.reference.in_memory, `exact=`), so that a
 served model and its reference can be compared in the same rounding.
 

@@ -43,7 +43,7 @@ def wrap(owner, attr: str, make: Callable[[Callable], Callable], *, patch: str) 
     raw = owner.__dict__.get(attr)
     if raw is None:
         raise PatchError(f"runtime patch {patch}: {target} does not exist in this vLLM "
-                         "(the patch index in beam_hpu/patches/__init__.py names what it expects)")
+                         "(the patch index in beam_hpu/runtime/__init__.py names what it expects)")
     if patch_of(raw) == patch:
         APPLIED[target] = patch
         return False

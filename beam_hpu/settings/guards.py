@@ -2,7 +2,7 @@
 
 `check_startup(env, args)` runs every rule on the process environment and vLLM's parsed arguments
 (a namespace, or a mapping with its attribute names) and raises `StartupError` listing each
-culprit and why; `beam_hpu.patches.startup_guard` calls it from vLLM's own argument checks. Each
+culprit and why; `beam_hpu.runtime.guards.patch_startup_guard` calls it from vLLM's own argument checks. Each
 rule is a plain function `(Launch) -> list[str]`: the messages of the refusals it finds, each
 naming the flag or variable. They are the recipe's "What not to do" and the facts of Beam's chat
 template and parsers, so they apply to a Beam launch only (`is_beam_launch`).

@@ -108,7 +108,7 @@ SWITCHES: dict[str, Switch] = _switches(
         "cpu-fp8-dense-rounding, by vLLM-CPU's dense FP8 linears; the live perplexity reference "
         "(beam_hpu.gates.perplexity) rounds in the mode set where it runs, to compare like with "
         "like. On HPU, for model type beam, through the port patch beam-exact-rounding "
-        "(beam_hpu.hpu.exact_rounding, read once per layer at load): with 1 the dense FP8 linears "
+        "(beam_hpu.runtime.fp8.hpu_exact_rounding, read once per layer at load): with 1 the dense FP8 linears "
         "and the input of the fused FP8 experts quantise in the reference's rounding in vllm-gaudi's "
         "FP8 range (240 on Gaudi 2, 448 on Gaudi 3); the experts' down projection input is "
         "quantised inside the fused MoE kernel and keeps the kernel's rounding. With 0, or any "
@@ -119,7 +119,7 @@ SWITCHES: dict[str, Switch] = _switches(
         "1",
         parse_bool,
         "Whether running decodes stay in flight while a prompt prefills. With 1 (runtime patch "
-        "prefill-inflight, beam_hpu.hpu.prefill_inflight) the scheduler of an engine serving "
+        "prefill-inflight, beam_hpu.runtime.prefill.inflight) the scheduler of an engine serving "
         "Beam (model_type beam; any other model keeps vLLM's order) takes its running "
         "requests decodes first, then those still prefilling, before every step: every running "
         "decode gets its token in each step that carries a prefill chunk (the chunk takes the "
@@ -141,7 +141,7 @@ SWITCHES: dict[str, Switch] = _switches(
         "Upper bound, in GiB per card, on the workspace of one FusedSDPA call in Beam's prompt "
         "attention with cached context (a prefill chunk after cached tokens: chunked prefill, "
         "prefix-cache hits), modelled as the fp32 scores of every query head plus the bf16 bias "
-        "tile (beam_hpu.hpu.prefill_attention.workspace_bytes). The port patch beam-fsdpa-tiles "
+        "tile (beam_hpu.runtime.prefill.hpu_fsdpa_tiles.workspace_bytes). The port patch beam-fsdpa-tiles "
         "computes such a chunk in query tiles of BEAM_FSDPA_Q_TILE rows, fewer (the most that fit, "
         "in steps of 128 rows when one step fits) when a tile would pass the bound or its bias "
         "plane would reach 2**31 bytes; each tile attends only the keys its rows can see (causal; "
@@ -169,7 +169,7 @@ SWITCHES: dict[str, Switch] = _switches(
         "1",
         parse_bool,
         "Where structured-output steps apply xgrammar's packed token bitmask. 1: on the logits' "
-        "own device (beam_hpu.hpu.grammar_mask: the bitmask is copied to the device and "
+        "own device (beam_hpu.runtime.grammar.hpu_device_mask: the bitmask is copied to the device and "
         "unpacked there, the logits never leave it). 0: vllm-gaudi's stock path, which copies "
         "the logits to the host, applies xgrammar's CPU kernel and copies them back, a "
         "device-to-host sync on every structured step; with "
@@ -180,7 +180,7 @@ SWITCHES: dict[str, Switch] = _switches(
         "1",
         parse_token_limit,
         "The largest token count of a step whose routed FP8 experts take the gathered path "
-        "(beam_hpu.hpu.moe_gather); 0 = off. A step of T <= BEAM_MOE_GATHER tokens computes only "
+        "(beam_hpu.runtime.fp8.hpu_moe_gather); 0 = off. A step of T <= BEAM_MOE_GATHER tokens computes only "
         "G = min(local experts, T x top-k) of the rank's experts, the ones the step routes to "
         "(ascending ids, padded with unrouted ones that contribute exactly 0), from their FP8 "
         "weights and per-channel scales, with the dense path's arithmetic: per-token FP8 "
@@ -199,7 +199,7 @@ SWITCHES: dict[str, Switch] = _switches(
         "0",
         parse_bool,
         "1: a window-sized KV cache for Beam's 43 sliding-window layers on HPU "
-        "(beam_hpu.hpu.window_kv_cache): vllm-gaudi's runner gives each of them vLLM's "
+        "(beam_hpu.runtime.window_kv.hpu_cache): vllm-gaudi's runner gives each of them vLLM's "
         "SlidingWindowSpec (window 512) instead of a full-attention spec, so vLLM's KV-cache "
         "manager forms hybrid groups (1 full + 5 sliding), frees the blocks a window has left, "
         "and a token costs the 9 full layers' K/V instead of 52 layers' (about 5.7x the KV "

@@ -20,7 +20,7 @@
 #                                   copied into vLLM's tree
 #   4. patch the runner             apply_all.py --profile PORT: exact sliding windows for Beam,
 #                                   grammar bitmask on the device, bounded prompt attention
-#                                   with cached context (ports/beam-1-0/patches/)
+#                                   with cached context (the units in beam_hpu/runtime/<room>/)
 #   5. install the plugin           pip install --no-deps of this repository (vLLM is never a
 #                                   requirement: it is the image's own build)
 #   6. build gates                  tests/build_gates.py: 8 gates, any failure fails the build

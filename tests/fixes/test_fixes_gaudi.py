@@ -19,15 +19,14 @@ import pytest
 from fix_trees import tree_digest
 
 from fixes.engine import EXIT_OK, run
+from tests.support.gaudi_tree import MISSING
 from fixes.profile import load_profile
 
 HERE = Path(__file__).resolve().parent
 ROOT_ENV = os.environ.get("GAUDI_FIXES_ROOT")
 PROFILE = os.environ.get("GAUDI_FIXES_PROFILE", "v0.30.0-public-main")
 
-pytestmark = pytest.mark.skipif(
-    not ROOT_ENV, reason="GAUDI_FIXES_ROOT is unset: it names a vllm-gaudi checkout "
-    "(public main for the stand-in profile v0.30.0-public-main) to test the vllm-gaudi fixes on")
+pytestmark = pytest.mark.skipif(not ROOT_ENV, reason=MISSING)
 
 
 def gaudi_fixes() -> list[str]:

@@ -1,4 +1,4 @@
-"""The beam-fsdpa-tiles port patch (ports/beam-1-0/patches/beam-fsdpa-tiles.toml) on the vllm-gaudi
+"""The beam-fsdpa-tiles port patch (beam_hpu/runtime/prefill/beam-fsdpa-tiles.toml) on the vllm-gaudi
 tree named by GAUDI_FIXES_ROOT, on CPU.
 
 The test takes from the (patched or unpatched) files themselves the statements that run prompt
@@ -21,8 +21,8 @@ from gaudi_source import find_def, load
 from test_fixes_gaudi import copy_tree, pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
 from test_port_patches import PORT_PROFILE, PORT_UNITS, apply, gaudi_units
 
-from beam_hpu.hpu import window as win
-from beam_hpu.hpu.prefill_attention import GIB, workspace_bytes
+from beam_hpu.runtime.sliding_window import hpu_window as win
+from beam_hpu.runtime.prefill.hpu_fsdpa_tiles import GIB, workspace_bytes
 from fixes.engine import EXIT_OK
 from fixes.profile import load_profile
 

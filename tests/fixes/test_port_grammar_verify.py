@@ -221,7 +221,7 @@ def test_verify_step_under_a_grammar_emits_the_grammar_verified_tokens(tree, mon
     # The rejection sampler saw every row of every grammar decode masked with its own grammar row
     # (d0 is bitmask rows 5-8, d1 rows 1-4), d2's and the padding sequence's rows untouched.
     (verified,) = calls.verified
-    from beam_hpu.hpu.grammar_mask import apply_token_bitmask
+    from beam_hpu.runtime.grammar.hpu_device_mask import apply_token_bitmask
 
     want = logits.clone()
     for b, first in ((0, 5), (1, 1)):

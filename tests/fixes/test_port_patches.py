@@ -1,4 +1,4 @@
-"""The beam-1-0 port's runner patches (ports/beam-1-0/patches/, profile port-beam-1-0) against the
+"""The beam-1-0 port's runner patches (beam_hpu/runtime/<room>/beam-*.toml, profile port-beam-1-0) against the
 vllm-gaudi tree named by GAUDI_FIXES_ROOT, on CPU.
 
 Each test copies the tree, applies the stand-in port profile's vllm-gaudi fixes (the v0.30.0

@@ -63,7 +63,7 @@ def run_step(tree, monkeypatch, requests, logits, drafts, *, model_type="beam", 
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    from beam_hpu.hpu import sampled_verify
+    from beam_hpu.runtime.speculative import hpu_sampled_verify as sampled_verify
 
     use_tree_rejection_sample(tree.root, monkeypatch)
     real_verify_step = sampled_verify.verify_step

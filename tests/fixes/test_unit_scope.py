@@ -1,4 +1,4 @@
-"""Every fix unit (fixes/units/, ports/beam-1-0/patches/) says which models its edits act for:
+"""Every fix unit (fixes/units/, the port's in beam_hpu/runtime/<room>/) says which models its edits act for:
 `scope = "beam: <how the edited code checks it serves Beam>"` or
 `"global: <why it must act for every model, and the test that shows it harmless>"`, and the
 loader refuses a unit without one, naming the file."""
@@ -12,7 +12,7 @@ import pytest
 from fixes.unit import UnitError, load_unit, scope_problem
 
 REPO = Path(__file__).resolve().parents[2]
-UNIT_FILES = sorted([*REPO.glob("fixes/units/*.toml"), *REPO.glob("ports/beam-1-0/patches/*.toml")])
+UNIT_FILES = sorted([*REPO.glob("fixes/units/*.toml"), *REPO.glob("beam_hpu/runtime/*/beam-*.toml")])
 
 
 def test_there_are_units_to_check():
@@ -30,7 +30,7 @@ def test_every_unit_has_a_well_formed_scope(path):
 
 def test_port_units_act_for_beam_only():
     """The port's own edits exist for Beam: none may be global (a v0.30.0 bug fix belongs in fixes/units)."""
-    for path in REPO.glob("ports/beam-1-0/patches/*.toml"):
+    for path in REPO.glob("beam_hpu/runtime/*/beam-*.toml"):
         assert load_unit(path).scope.startswith("beam:"), path.name
 
 

@@ -30,10 +30,10 @@ from test_fixes_gaudi import ROOT_ENV, copy_tree, pytestmark  # noqa: F401  (ski
 from test_port_patches import PORT_UNITS, RUNNER_CLS, apply, gaudi_units
 from test_window_kv_defrag import tree_defragmenter_class
 
-from beam_hpu.hpu import window_kv as wkv
+from beam_hpu.runtime.window_kv import groups as wkv
 from fixes.engine import EXIT_OK
 from fixes.profile import load_profile
-from tests.hpu.test_window_kv_vllm import beam_layer_windows
+from tests.runtime.window_kv.test_groups_vllm import beam_layer_windows
 
 pytest.importorskip("vllm")
 

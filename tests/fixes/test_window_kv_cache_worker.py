@@ -29,8 +29,8 @@ from test_window_kv_cache_tree import (  # noqa: F401  (fixtures)
     unbound,
 )
 
-from beam_hpu.hpu import window_kv as wkv
-from tests.hpu.test_window_kv_vllm import beam_layer_windows
+from beam_hpu.runtime.window_kv import groups as wkv
+from tests.runtime.window_kv.test_groups_vllm import beam_layer_windows
 
 WORKER = "vllm_gaudi/v1/worker/hpu_worker.py"
 FAKE_HPU_BYTES = 4 * 2**30  # what the tree's method returns on a fake HPU

@@ -1,6 +1,6 @@
 """vllm-gaudi's own OnlineDefragmenter (extension/defragmentation.py of the tree named by
 GAUDI_FIXES_ROOT, executed from the file on CPU) over KV buffers shared by cache groups, as a
-window-sized cache lays them out (beam_hpu.hpu.window_kv.shared_buffer_layers).
+window-sized cache lays them out (beam_hpu.runtime.window_kv.groups.shared_buffer_layers).
 
 The runner hands the defragmenter its per-layer caches, in which every shared buffer appears once
 per layer sharing it. With prefix caching on (the recipe's) the tree's swap is an exchange, so a
@@ -22,7 +22,7 @@ from decode_step import _exec_without_gaudi_imports
 from gaudi_source import load
 from test_fixes_gaudi import ROOT_ENV, pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
 
-from beam_hpu.hpu import window_kv as wkv
+from beam_hpu.runtime.window_kv import groups as wkv
 
 DEFRAG = "vllm_gaudi/extension/defragmentation.py"
 UTILS = "vllm_gaudi/extension/utils.py"

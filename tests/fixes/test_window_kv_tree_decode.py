@@ -12,7 +12,7 @@ everything in full layers), written by that layer for that sequence: not the nul
 another request's or another group's key. The run spans freed and reused blocks, finished and newly
 admitted requests, and verify steps with uneven drafts (rejected drafts' keys left behind).
 Prefix-cache hits and prefill chunks are covered at the rule level, against vLLM's manager, by
-tests/hpu/test_window_kv_vllm.py; the tree's prefill path per group is not run here.
+tests/runtime/window_kv/test_groups_vllm.py; the tree's prefill path per group is not run here.
 
 This is what the runner wiring of issue 26 must do per group; it shows that with the port's
 beam-exact-window the per-table code already serves a sliding group's null-prefixed table, and
@@ -30,8 +30,8 @@ from gaudi_source import load
 from test_fixes_gaudi import pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
 from test_port_patches import PROCESSOR_CLS, tree  # noqa: F401  (the fixture: v0.30.0 only / port)
 
-from beam_hpu.hpu import window_kv as wkv
-from tests.hpu.test_window_kv_vllm import beam_kv_cache_config
+from beam_hpu.runtime.window_kv import groups as wkv
+from tests.runtime.window_kv.test_groups_vllm import beam_kv_cache_config
 
 BS, WINDOW, NUM_BLOCKS, K = 4, 8, 120, 3
 

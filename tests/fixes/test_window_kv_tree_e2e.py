@@ -35,7 +35,7 @@ from test_window_kv_tree_forward import TreeRun
 from test_window_kv_tree_steps import BS, WINDOW, WIDTH, Steps
 from window_kv_runner import keys_read, make_runner, set_batch
 
-from beam_hpu.hpu import window_kv as wkv
+from beam_hpu.runtime.window_kv import groups as wkv
 from fixes.engine import EXIT_OK
 from fixes.profile import load_profile
 

@@ -35,7 +35,7 @@ from test_fixes_gaudi import copy_tree, pytestmark  # noqa: F401  (skip without 
 from test_port_patches import PROCESSOR_CLS, RUNNER_CLS, apply, gaudi_units
 from test_window_kv_tree_decode import BS, NUM_BLOCKS, WINDOW, Cluster
 
-from beam_hpu.hpu import window_kv as wkv
+from beam_hpu.runtime.window_kv import groups as wkv
 from tests.support.hpu_graph_hash import bridge_hash, bridge_tensors
 from fixes.engine import EXIT_OK
 from fixes.profile import load_profile
@@ -204,7 +204,7 @@ def tree(request, tmp_path):
 
 @pytest.fixture(scope="module")
 def vllm_config():
-    from tests.hpu.test_window_kv_vllm import vllm_config as make
+    from tests.runtime.window_kv.test_groups_vllm import vllm_config as make
 
     return make()
 

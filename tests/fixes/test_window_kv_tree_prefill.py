@@ -13,8 +13,8 @@ import pytest
 from test_fixes_gaudi import pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
 from test_port_patches import prefill_attended, tree  # noqa: F401  (the fixture: v0.30.0 only / port)
 
-from beam_hpu.hpu import window_kv as wkv
-from tests.hpu.test_window_kv_vllm import beam_kv_cache_config
+from beam_hpu.runtime.window_kv import groups as wkv
+from tests.runtime.window_kv.test_groups_vllm import beam_kv_cache_config
 
 
 def sliding_context_blocks(bs, window, ctx_lens, query_lens, seed):

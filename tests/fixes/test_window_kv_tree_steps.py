@@ -32,12 +32,12 @@ from test_fixes_gaudi import copy_tree, pytestmark  # noqa: F401  (skip without 
 from test_port_patches import PROCESSOR_CLS, apply, gaudi_units
 from window_kv_runner import keys_read, make_runner, set_batch
 
-from beam_hpu.hpu import window_kv as wkv
-from beam_hpu.hpu import window_kv_steps as steps
+from beam_hpu.runtime.window_kv import groups as wkv
+from beam_hpu.runtime.window_kv import hpu_steps as steps
 from fixes.engine import EXIT_OK
 from fixes.profile import load_profile
 from test_port_patches import PORT_PROFILE
-from tests.hpu.test_window_kv_vllm import beam_kv_cache_config, vllm_config
+from tests.runtime.window_kv.test_groups_vllm import beam_kv_cache_config, vllm_config
 
 BS, WINDOW, NUM_BLOCKS, WIDTH = 4, 8, 240, 64
 UNIT = "beam-window-kv-steps"
@@ -459,7 +459,7 @@ def beam_with_drafter_config():
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from tests.hpu.test_window_kv_vllm import beam_layer_windows
+    from tests.runtime.window_kv.test_groups_vllm import beam_layer_windows
 
     full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
     windows = wkv.allocation_windows({**beam_layer_windows(WINDOW), "drafter.layers.0.self_attn.attn": 4096})

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The recipe's gates against a running Beam endpoint; prints the Markdown table, writes JSON.
-#   tests/hpu/run_gates.sh --base-url http://HOST:PORT/v1 --model NAME [--only GATE] [--profile cpu|gaudi]
+#   tests/gates/run_gates.sh --base-url http://HOST:PORT/v1 --model NAME [--only GATE] [--profile cpu|gaudi]
 #                          [--json gates.json] [--reference-file ref.json | --reference-checkpoint DIR]
 #                          [--reference-dtype bfloat16|float32]   (default: the profile's; cpu: float32)
 # Exit code 0 when every gate passed. --help also says how to make the 501B model's reference file.

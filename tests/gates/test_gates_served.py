@@ -49,7 +49,7 @@ def test_run_gates_sh_passes_every_gate_on_the_trained_tiny_beam(tmp_path):
     """The operator's entry point, as the recipe runs it: table on stdout, JSON report, exit 0."""
     server = Server(TRAINED_DIR, extra=AT_PROFILE_DTYPE)
     try:
-        proc = subprocess.run([str(REPO / "tests/hpu/run_gates.sh"), "--base-url", server.base_url, "--model",
+        proc = subprocess.run([str(REPO / "tests/gates/run_gates.sh"), "--base-url", server.base_url, "--model",
                                server.model, "--profile", "cpu", "--json", str(tmp_path / "gates.json"),
                                "--reference-checkpoint", str(TRAINED_DIR)],
                               env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=1200)

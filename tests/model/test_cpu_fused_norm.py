@@ -13,7 +13,7 @@ import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.layernorm import RMSNorm
 
-from beam_hpu.cpu.fused_norm import CpuKernelRMSNorm, beam_rms_norm
+from beam_hpu.model.cpu_fused_norm import CpuKernelRMSNorm, beam_rms_norm
 
 
 def _pair(hidden: int, dtype: torch.dtype, eps: float = 1e-6):

@@ -23,7 +23,7 @@ from tests.support.hostile import FIELDS, MARK, expected_segments, payload_for, 
 def render():
     import vllm.renderers.hf as hf
 
-    from beam_hpu.patches.untrusted_text import install
+    from beam_hpu.runtime.guards.patch_untrusted_text import install
 
     install()  # the runtime patch register() installs in the API server
 

@@ -18,7 +18,7 @@ from .conftest import WEATHER, chat_request
 def render(tokenizer):
     import vllm.renderers.hf as hf
 
-    from beam_hpu.patches.untrusted_text import install
+    from beam_hpu.runtime.guards.patch_untrusted_text import install
 
     install()  # the runtime patch register() installs in the API server
 

@@ -83,7 +83,7 @@ def test_install_sh_builds_the_port_on_a_cpu_tree(trees, tmp_path):
     assert stamp["fixes"][-11:] == ["beam-exact-window", "beam-grammar-device-mask", "beam-fsdpa-tiles", "beam-grammar-verify",
                                    "beam-eagle-draft-end", "beam-sampled-verify", "beam-exact-rounding", "beam-moe-gather",
                                    "beam-window-kv-cache", "beam-window-kv-steps", "beam-window-kv-metadata"]
-    assert (target / "beam_hpu/hpu/window.py").is_file()
+    assert (target / "beam_hpu/runtime/sliding_window/hpu_window.py").is_file()
     assert any(p.name.startswith("beam_hpu-") for p in target.glob("*.dist-info"))
     assert not list(cookbook.glob("*.egg-info")) and not (cookbook / "build").exists()
     gates = [line for line in proc.stdout.splitlines() if line.startswith("gate ")]

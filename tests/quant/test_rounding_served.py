@@ -14,7 +14,7 @@ both ways; the two references 6.2e-5 apart; top-1 100% everywhere. With the runt
 cpu-fp8-dense-rounding removed, served mode 1 sat 6.2e-5 from reference 1 and 2.4e-7 from
 reference 0 (this test fails): on this model in fp32 the whole mode difference comes from the
 dense linears, the experts' two roundings give the same distributions here, so their reading of
-the switch is tested in tests/cpu/test_portable_fp8_rounding.py (an all-tiny token).
+the switch is tested in tests/runtime/fp8/test_portable_moe_rounding.py (an all-tiny token).
 """
 
 import pytest

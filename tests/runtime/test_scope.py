@@ -1,8 +1,8 @@
 """With the plugin installed, a model that is not Beam gets vLLM's own behaviour.
 
 The plugin goes into images that may serve other models, so every runtime patch acts only for
-Beam or says in its index entry why it must be global (`scope`, beam_hpu/patches/__init__.py).
-Here tiny non-Beam checkpoints written by the test (tests/patches/scope_models.py) run in vLLM's
+Beam or says in its index entry why it must be global (`scope`, beam_hpu/runtime/__init__.py).
+Here tiny non-Beam checkpoints written by the test (tests/support/scope_models.py) run in vLLM's
 offline engine twice, once with only our plugin (`VLLM_PLUGINS=beam`) and once with general
 plugins off (`VLLM_PLUGINS=`), and must come out the same:
 
@@ -39,7 +39,7 @@ OURS = ("prefill-inflight", "cpu-fp8-dense-rounding", "portable-fp8-moe")
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from tests.patches.scope_models import write_tiny
+    from tests.support.scope_models import write_tiny
 
     root = tmp_path_factory.mktemp("scope")
     made = {}
@@ -66,7 +66,7 @@ def engine(checkpoints, tmp_path_factory):
             spec_path.write_text(json.dumps({"model": str(checkpoints(kind, fp8)), "prompts": PROMPTS,
                                              "schedule": schedule}))
             env = dict(cpu_env(1), VLLM_PLUGINS=PLUGINS[plugins], BEAM_PREFILL_INFLIGHT="1")
-            proc = subprocess.run([sys.executable, "-m", "tests.patches.scope_engine", str(spec_path), str(out_path)],
+            proc = subprocess.run([sys.executable, "-m", "tests.support.scope_engine", str(spec_path), str(out_path)],
                                   cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   timeout=600)
             report = json.loads(out_path.read_text()) if proc.returncode == 0 else None

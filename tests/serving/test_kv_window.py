@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from beam_hpu.hpu import window as win
-from beam_hpu.hpu import window_kv as wkv
+from beam_hpu.runtime.sliding_window import hpu_window as win
+from beam_hpu.runtime.window_kv import groups as wkv
 from serving import kv_window as kvw
 
 pytest.importorskip("vllm")

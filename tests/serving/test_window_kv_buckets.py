@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from beam_hpu.hpu.window import window_block_count
+from beam_hpu.runtime.sliding_window.hpu_window import window_block_count
 from serving import lint_buckets, make_buckets
 from serving.recipe import load_recipe, recipe_geometry
 

@@ -3,15 +3,15 @@ vLLM runs there, followed function by function through beam_hpu.
 
 A reader is a call `current(NAME, ...)` / `read_switch(NAME, ...)` (tests/settings/test_readers.py).
 On HPU the code that runs is reached from these roots:
-- every edit of a port unit (ports/beam-1-0/patches/*.toml): the names it reads itself, and the
+- every edit of a port unit (the port profile's units, in the rooms of beam_hpu/runtime/): the names it reads itself, and the
   beam_hpu functions it imports (`from beam_hpu.x import f`);
 - every runtime patch the plugin installs on HPU (platform "any" or "hpu"): its whole module;
 - what vLLM's registries import from the plugin on every platform: the parser classes, the model
   class and the `--load-format beam` loader.
 From a root, a function or class reaches the module-level functions and classes it names, in its
 own module or imported from beam_hpu. Never followed: beam_hpu/settings (the switch table and
-the guards validate every switch), and beam_hpu/cpu, the CPU room: the runtime patch
-portable-fp8-moe is installed on every platform, but its method is chosen only where vLLM finds no
+the guards validate every switch), and the CPU-only modules (`cpu_*.py`, the portable FP8
+experts): the runtime patch portable-fp8-moe is installed on every platform, but its method is chosen only where vLLM finds no
 FP8 MoE backend, which on HPU it never asks (vllm-gaudi's own method is taken first).
 """
 
@@ -24,15 +24,15 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from beam_hpu import names
-from beam_hpu.patches import INDEX
+from beam_hpu.runtime import INDEX
 from beam_hpu.parsers import REASONING_PARSER, TOOL_PARSER
 from beam_hpu.settings.switches import SWITCHES
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "beam_hpu"
-PORT_UNITS_DIR = REPO / "ports" / "beam-1-0" / "patches"
 READER_FUNCTIONS = {"current", "read_switch"}
-NOT_FOLLOWED = ("beam_hpu.settings", "beam_hpu.cpu")
+NOT_FOLLOWED = ("beam_hpu.settings",)
+CPU_PORTABLE = "beam_hpu.runtime.fp8.portable_moe"
 HPU_PLATFORMS = ("any", "hpu")
 IMPORT_IN_EDIT = re.compile(r"from (beam_hpu(?:\.\w+)+) import \(?([\w, ]+)\)?")
 
@@ -103,10 +103,10 @@ class Package:
                     out.add((target, sub.attr))
             elif isinstance(sub, ast.ImportFrom) and (sub.module or "").startswith("beam_hpu"):
                 out |= {(sub.module, a.name) for a in sub.names}  # imported in the body to be used there
-        return {n for n in out if n in self.defs and not n[0].startswith(NOT_FOLLOWED)}
+        return {n for n in out if n in self.defs and followed(n[0])}
 
     def reached_from(self, roots: Iterable[Node]) -> set[Node]:
-        seen, todo = set(), [n for n in roots if n in self.defs and not n[0].startswith(NOT_FOLLOWED)]
+        seen, todo = set(), [n for n in roots if n in self.defs and followed(n[0])]
         while todo:
             node = todo.pop()
             if node not in seen:
@@ -115,8 +115,13 @@ class Package:
         return seen
 
 
+def followed(module: str) -> bool:
+    leaf = module.rpartition(".")[2]
+    return not (module.startswith(NOT_FOLLOWED) or leaf.startswith("cpu_") or module == CPU_PORTABLE)
+
+
 def port_units() -> list[Path]:
-    return sorted(PORT_UNITS_DIR.glob("*.toml"))
+    return sorted(PACKAGE.joinpath("runtime").rglob("beam-*.toml"))
 
 
 def hpu_readers(units: Iterable[Path] | None = None) -> dict[str, list[str]]:
@@ -132,7 +137,7 @@ def hpu_readers(units: Iterable[Path] | None = None) -> dict[str, list[str]]:
                 roots |= {(module, n.strip()) for n in imported.split(",") if n.strip()}
     for patch in INDEX:
         if patch.platform in HPU_PLATFORMS:
-            module = f"beam_hpu.patches.{patch.module}"
+            module = f"beam_hpu.runtime.{patch.module}"
             roots |= {node for node in package.defs if node[0] == module}
     model_module, model_class = names.MODEL_CLASS.split(":")
     roots |= {REASONING_PARSER, TOOL_PARSER, (model_module, model_class), ("beam_hpu.loader", "register")}

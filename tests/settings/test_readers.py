@@ -80,8 +80,8 @@ def test_a_switch_read_only_by_cpu_code_has_no_hpu_reader():
     # the recipe test above must then fail for it.
     without = hpu_readers([p for p in port_units() if p.stem != "beam-exact-rounding"])
     assert "BEAM_EXACT_ROUNDING" not in without, without
-    assert "beam_hpu/cpu/portable_fp8_moe.py" in code_readers()["BEAM_EXACT_ROUNDING"]
-    assert hpu_readers()["BEAM_EXACT_ROUNDING"] == ["beam_hpu.hpu.exact_rounding:activation_quantiser"]
+    assert "beam_hpu/runtime/fp8/portable_moe.py" in code_readers()["BEAM_EXACT_ROUNDING"]
+    assert hpu_readers()["BEAM_EXACT_ROUNDING"] == ["beam_hpu.runtime.fp8.hpu_exact_rounding:activation_quantiser"]
 
 
 def test_the_reader_finder_sees_the_forms_readers_take():
@@ -93,23 +93,23 @@ def test_the_reader_finder_sees_the_forms_readers_take():
     assert set(code_readers()) >= {"BEAM_GRAMMAR_DEVICE_MASK", "BEAM_FSDPA_Q_TILE", "BEAM_FSDPA_WS_GIB",
                                    "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT", "VLLM_BEAM_STREAM_TOOL_ARGS"}
     # Through a port edit's import and a same-module call (tiled_fsdpa_op -> fsdpa_tile_switches).
-    assert hpu_readers()["BEAM_FSDPA_Q_TILE"] == ["beam_hpu.hpu.prefill_attention:fsdpa_tile_switches"]
+    assert hpu_readers()["BEAM_FSDPA_Q_TILE"] == ["beam_hpu.runtime.prefill.hpu_fsdpa_tiles:fsdpa_tile_switches"]
 
 
 def test_moe_gather_is_read_on_hpu_only_through_its_port_unit():
     # BEAM_MOE_GATHER: the CPU portable experts read it too, but on HPU only beam-moe-gather's
     # edit (hpu_gather_limit -> gather_limit) does; without the unit the recipe's 1 would act on nothing.
-    assert hpu_readers()["BEAM_MOE_GATHER"] == ["beam_hpu.hpu.moe_gather:gather_limit"]
+    assert hpu_readers()["BEAM_MOE_GATHER"] == ["beam_hpu.runtime.fp8.hpu_moe_gather:gather_limit"]
     without = hpu_readers([p for p in port_units() if p.stem != "beam-moe-gather"])
     assert "BEAM_MOE_GATHER" not in without
-    assert "beam_hpu/cpu/portable_fp8_moe.py" not in code_readers()["BEAM_MOE_GATHER"]  # via moe_gather
-    assert "beam_hpu/hpu/moe_gather.py" in code_readers()["BEAM_MOE_GATHER"]
+    assert "beam_hpu/runtime/fp8/portable_moe.py" not in code_readers()["BEAM_MOE_GATHER"]  # via moe_gather
+    assert "beam_hpu/runtime/fp8/hpu_moe_gather.py" in code_readers()["BEAM_MOE_GATHER"]
 
 
 def test_window_kv_is_read_on_hpu_only_through_its_port_unit():
     # BEAM_WINDOW_KV: only beam-window-kv-cache's get_kv_cache_spec edit reads it (through
     # hpu_window_kv_enabled -> window_kv_enabled); without the unit the switch acts on nothing.
-    assert hpu_readers()["BEAM_WINDOW_KV"] == ["beam_hpu.hpu.window_kv_cache:window_kv_enabled"]
+    assert hpu_readers()["BEAM_WINDOW_KV"] == ["beam_hpu.runtime.window_kv.hpu_cache:window_kv_enabled"]
     without = hpu_readers([p for p in port_units() if p.stem != "beam-window-kv-cache"])
     assert "BEAM_WINDOW_KV" not in without
-    assert code_readers()["BEAM_WINDOW_KV"] == ["beam_hpu/hpu/window_kv_cache.py"]
+    assert code_readers()["BEAM_WINDOW_KV"] == ["beam_hpu/runtime/window_kv/hpu_cache.py"]

@@ -1,7 +1,7 @@
 """One vLLM engine (offline LLM, in this process) on a tiny non-Beam checkpoint, reporting what
-tests/patches/test_scope.py compares between the plugin on and plugins off (`VLLM_PLUGINS=`):
+tests/runtime/test_scope.py compares between the plugin on and plugins off (`VLLM_PLUGINS=`):
 
-    python -m tests.patches.scope_engine SPEC.json OUT.json
+    python -m tests.support.scope_engine SPEC.json OUT.json
 
 - `patched`: which of vLLM's patch targets carry one of our marks (none with plugins off);
 - `layers`: for every module with a quant method, its class, the quant method's class, and for
@@ -30,7 +30,7 @@ SCHEDULE = dict(PROMPT_TOKENS=600, DECODES=4, DECODE_PROMPT=40, DECODE_TOKENS=64
 SCHEDULE_ENGINE = dict(block_size=32, max_model_len=640, max_num_batched_tokens=192, max_num_seqs=8,
                        enable_chunked_prefill=True, long_prefill_token_threshold=16, num_gpu_blocks_override=26,
                        async_scheduling=False)
-TARGETS = {  # where our runtime patches sit (beam_hpu/patches/__init__.py), read without importing beam_hpu
+TARGETS = {  # where our runtime patches sit (beam_hpu/runtime/__init__.py), read without importing beam_hpu
     "prefill-inflight": ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
     "cpu-fp8-dense-rounding": ("vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel",
                                "FP8ScaledMMLinearKernel", "__init__"),

@@ -1,4 +1,4 @@
-"""Tiny non-Beam checkpoints for tests/patches/test_scope.py, written by transformers' own model
+"""Tiny non-Beam checkpoints for tests/runtime/test_scope.py, written by transformers' own model
 classes with random weights: a Llama (dense), a Qwen3-MoE (routed experts) and a Qwen2-MoE
 (routed plus shared experts), each unquantised or as compressed-tensors FP8 the way
 beam_hpu.quant.fp8_checkpoint writes Beam (FP8_DYNAMIC: channel weights, per-token activations).

@@ -11,16 +11,16 @@ The fix, in two parts:
 - `remap_topk_to_local` (a plain function, unit-tested): global ids -> local ids through
   `expert_map`; a slot routed to another rank's expert points at local expert 0 with weight 0,
   so it contributes nothing here and the runner's all-reduce adds the owning rank's share.
-- the runtime patch `cpu-expert-parallel` (beam_hpu/patches/cpu_expert_parallel.py): on the CPU
+- the runtime patch `cpu-expert-parallel` (beam_hpu/runtime/expert_parallel/patch_cpu_expert_parallel.py): on the CPU
   platform only, wraps `CPUUnquantizedExperts.apply` (its AMX/Arm/Power subclasses inherit it) to
   remap when an `expert_map` is given. Without expert parallel `expert_map` is None and the
   wrapper calls the stock kernel unchanged.
 
 Not needed elsewhere: on HPU vllm-gaudi's MoE ops take the expert range themselves; FP8 experts
-on CPU run `beam_hpu.cpu.portable_fp8_moe`, which maps ids itself.
+on CPU run `beam_hpu.runtime.fp8.portable_moe`, which maps ids itself.
 
 Remove when: vLLM's CPU unquantised experts honour `expert_map` (its `apply` passes the map, or
-remapped ids, to the kernel). `tests/cpu/test_expert_parallel_engine.py` then still passes
+remapped ids, to the kernel). `tests/runtime/expert_parallel/test_cpu_expert_parallel_engine.py` then still passes
 without the patch; the unit test here keeps the arithmetic honest until then.
 """
 

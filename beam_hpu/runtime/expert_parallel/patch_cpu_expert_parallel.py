@@ -1,17 +1,17 @@
 """Runtime patch `cpu-expert-parallel`: vLLM-CPU's unquantised experts honour `expert_map`
-through `beam_hpu.cpu.expert_parallel.remap_topk_to_local`. CPU only."""
+through `beam_hpu.runtime.expert_parallel.cpu_expert_parallel.remap_topk_to_local`. CPU only."""
 
 from __future__ import annotations
 
 import inspect
 
-from beam_hpu.patches.wrap import wrap
+from beam_hpu.runtime.wrap import wrap
 
 NAME = "cpu-expert-parallel"
 
 
 def _apply_with_expert_map(stock_apply):
-    from beam_hpu.cpu.expert_parallel import remap_topk_to_local
+    from beam_hpu.runtime.expert_parallel.cpu_expert_parallel import remap_topk_to_local
 
     signature = inspect.signature(stock_apply)
 

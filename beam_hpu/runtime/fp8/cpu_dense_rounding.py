@@ -5,7 +5,7 @@ torch `_scaled_mm` kernels, which quantise activations with vLLM's QuantFP8: a t
 (x * (1 / scale), no 1e-8, scale floored at 1/(448*512)), neither the reference's nor vllm-gaudi's.
 The runtime patch `cpu-fp8-dense-rounding` gives those kernels `dense_activation_quantiser()`
 instead, so that on CPU the dense linears and the portable FP8 experts
-(beam_hpu.cpu.portable_fp8_moe) round alike, and as the reference loaded with the same `exact`.
+(beam_hpu.runtime.fp8.portable_moe) round alike, and as the reference loaded with the same `exact`.
 Only dynamic per-token activation quantisation is replaced (the published scheme); static or
 per-tensor scales keep vLLM's QuantFP8. Nothing here runs on HPU: vllm-gaudi has its own linears.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from beam_hpu.cpu.portable_fp8_moe import activation_quantiser
+from beam_hpu.runtime.fp8.portable_moe import activation_quantiser
 
 
 def dense_activation_quantiser(env: Mapping[str, str] | None = None):

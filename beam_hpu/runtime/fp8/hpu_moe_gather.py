@@ -20,14 +20,14 @@ Why the result is the dense pass's, bit for bit in fp32:
   per row.
 With another GEMM kernel for the gathered rows than for the dense ones (e.g. a batched kernel
 over G against a per-expert one) the sums inside a GEMM may be taken in another order: the
-difference is then bounded by fp32 accumulation-order error (tests/hpu/test_moe_gather.py).
+difference is then bounded by fp32 accumulation-order error (tests/runtime/fp8/test_hpu_moe_gather.py).
 
 Static shapes (HPU graphs): G depends only on the bucketed T, top_k and E_local; which experts
 fill the G slots is data (a top-k over per-expert hit counts), never a shape, and no branch
 depends on the routing. Expert parallel: ids are this rank's local ids, -1 for another rank's
 experts (they get no slot's weight); a rank with no routed expert returns exact zeros.
 
-Used by: the CPU portable FP8 experts (beam_hpu.cpu.portable_fp8_moe, under BEAM_MOE_GATHER), and
+Used by: the CPU portable FP8 experts (beam_hpu.runtime.fp8.portable_moe, under BEAM_MOE_GATHER), and
 on Gaudi the port unit beam-moe-gather in vllm-gaudi's HPUCompressedTensorsW8A8Fp8MoEMethod, with
 `hpu_fp8_gemm` as the GEMM and the fused op's own activation quantiser.
 """

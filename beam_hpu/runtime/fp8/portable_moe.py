@@ -14,7 +14,7 @@ Weights stay FP8 in memory; nothing is upcast ahead of time.
 
 Where each path is chosen, and why:
 - CPU (backend NONE), Beam only: this method, chosen by `portable_replacement` from the runtime
-  patch `portable-fp8-moe` (beam_hpu/patches/portable_fp8_moe.py). Any other model keeps vLLM's
+  patch `portable-fp8-moe` (beam_hpu/runtime/fp8/patch_portable_moe.py). Any other model keeps vLLM's
   method, whose backend NONE then refuses the model at load (`Unsupported FP8 MoE backend: NONE`,
   before any request), as without the plugin: this method has no shared-expert path, and
   nothing of ours is tested on another model's experts.
@@ -28,9 +28,9 @@ Expert parallel: `layer.expert_map` maps global expert ids to this rank's local 
 experts held elsewhere); the method computes only local experts and the MoE runner sums ranks.
 
 Switch BEAM_MOE_GATHER (read once per layer at load): a step of at most that many tokens goes
-through beam_hpu.hpu.moe_gather.gathered_fp8_moe, the function the Gaudi port unit beam-moe-gather
+through beam_hpu.runtime.fp8.hpu_moe_gather.gathered_fp8_moe, the function the Gaudi port unit beam-moe-gather
 calls, so a served CPU engine runs it; larger steps (and 0) take `fp8_experts_forward`. Both
-compute the same arithmetic (tests/hpu/test_moe_gather.py), so greedy outputs do not change
+compute the same arithmetic (tests/runtime/fp8/test_hpu_moe_gather.py), so greedy outputs do not change
 (tests/e2e/test_moe_gather_serve.py). The first gathered call for each token count logs a line.
 """
 
@@ -42,12 +42,12 @@ from collections.abc import Mapping
 
 import torch
 
-from beam_hpu.hpu import moe_gather
+from beam_hpu.runtime.fp8 import hpu_moe_gather as moe_gather
 from beam_hpu.model.ops import swiglu_fp32
 from beam_hpu.quant.rounding import FP8_E4M3FN_MAX, per_token_fp8
 from beam_hpu.settings import switches
 
-logger = logging.getLogger("vllm.beam_hpu.cpu")
+logger = logging.getLogger("vllm.beam_hpu.fp8")
 
 def activation_quantiser(env: Mapping[str, str] | None = None):
     """x -> (e4m3fn, fp32 scale [T, 1]) per token, in the rounding switch BEAM_EXACT_ROUNDING names

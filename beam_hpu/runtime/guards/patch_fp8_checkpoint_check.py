@@ -3,7 +3,7 @@ the start of every vLLM loader's `load_model`, before the model is built."""
 
 from __future__ import annotations
 
-from beam_hpu.patches.wrap import wrap
+from beam_hpu.runtime.wrap import wrap
 
 NAME = "fp8-checkpoint-check"
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from beam_hpu.patches.wrap import wrap
+from beam_hpu.runtime.wrap import wrap
 from beam_hpu.settings.guards import guard_engine_config, guard_serve_args
 
 NAME = "startup-guard"

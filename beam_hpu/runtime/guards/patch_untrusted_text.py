@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from beam_hpu.patches.wrap import wrap
+from beam_hpu.runtime.wrap import wrap
 
 NAME = "untrusted-text"
 

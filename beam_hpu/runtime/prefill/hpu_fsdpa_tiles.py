@@ -24,7 +24,7 @@ SSMax is not applied here. Beam's NoPE layers scale q in the model (`beam_hpu/mo
 `ssmax_query_scale`) before vLLM's Attention layer, which on Gaudi is the attention backend the port
 patch sits in: q arrives scaled, and scaling it here would scale it twice.
 
-    python -m beam_hpu.hpu.prefill_attention --table   # the recipe's workspace per chunk
+    python -m beam_hpu.runtime.prefill.hpu_fsdpa_tiles --table   # the recipe's workspace per chunk
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from beam_hpu.settings import switches
 from beam_hpu.settings.switches import FSDPA_Q_TILE_STEP
-from beam_hpu.hpu.window import first_window_key, window_block_count
+from beam_hpu.runtime.sliding_window.hpu_window import first_window_key, window_block_count
 
 GIB = 2**30
 # FusedSDPA addresses each query-by-key plane of the bias with a signed 32-bit byte offset: a plane

@@ -25,7 +25,7 @@ vLLM. With 0 the order is left as vLLM keeps it. Under the priority policy vLLM 
 priority, not by order: there only the first half (decodes get their tokens first) holds.
 
 Plain functions only: no vLLM or torch import; the runtime patch `prefill-inflight`
-(beam_hpu/patches/prefill_inflight.py) calls them.
+(beam_hpu/runtime/prefill/patch_inflight.py) calls them.
 """
 
 from __future__ import annotations

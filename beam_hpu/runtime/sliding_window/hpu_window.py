@@ -180,7 +180,7 @@ def mask_to_bias(mask: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
 
 
 # ---------------------------------------------------------------- what the runner patches call
-# The port's runner patches (ports/beam-1-0/patches/beam-exact-window.toml) hand over the
+# The port's runner patches (beam_hpu/runtime/sliding_window/beam-exact-window.toml) hand over the
 # runner's own host-side structures and get them back in the runner's layout; the arithmetic is
 # the functions above.
 

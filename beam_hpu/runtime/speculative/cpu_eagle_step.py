@@ -6,7 +6,7 @@ which launches `_eagle_step_slot_mapping_metadata`, a JIT-warmup Triton dispatch
 kernel itself. vLLM-CPU's runner swaps the `.kernel` of the other three EAGLE dispatchers for its
 C++ ops but only the module-level name of this one, so the second drafting step of any EAGLE or
 EAGLE3 drafter raises "Cannot inspect kernel parameters" and the engine dies. The runtime patch
-`cpu-eagle-step` (beam_hpu/patches/cpu_eagle_step.py) routes the proposer's call here on CPU.
+`cpu-eagle-step` (beam_hpu/runtime/speculative/patch_cpu_eagle_step.py) routes the proposer's call here on CPU.
 
 Per request r (the definition the kernel documents): the new position is position + 1, or 0 when
 that reaches max_model_len; its KV slot is block_table[r, position // block_size] * block_size +

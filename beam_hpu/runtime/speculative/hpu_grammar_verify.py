@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from beam_hpu.hpu.grammar_mask import apply_token_bitmask
+from beam_hpu.runtime.grammar.hpu_device_mask import apply_token_bitmask
 
 RowSpans = Mapping[str, tuple[int, int]]  # request id -> (its first logits row, its number of rows)
 

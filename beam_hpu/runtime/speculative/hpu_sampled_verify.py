@@ -19,7 +19,7 @@ So, for a batch with sampled rows, in plain torch:
    (1 for greedy rows), top-k/top-p by vLLM's own `apply_top_k_top_p` (`constrain_targets`);
 4. uniforms in the stream of vLLM's `generate_uniform_probs` (a seeded request draws from its
    own generator; `uniform_draws` lets it draw on its own device, the host on Gaudi with the fix
-   seeded-sampling) and `beam_hpu.speculative.rejection_sampling.verify`, the function the CPU
+   seeded-sampling) and `beam_hpu.runtime.speculative.rejection_sampling.verify`, the function the CPU
    path calls.
 An all-greedy batch goes to the stock verifier unchanged.
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from beam_hpu.speculative.rejection_sampling import expand_per_request, uniform_draws, verify
+from beam_hpu.runtime.speculative.rejection_sampling import expand_per_request, uniform_draws, verify
 
 # vLLM's Sampler and vllm-gaudi's input batch: temperature below this is a greedy request (-1.0
 # on HPU, 0.0 in vLLM's GPU batch).
@@ -95,7 +95,7 @@ def verify_step(rejection_sampler, metadata, logits: torch.Tensor, sampling_meta
     unsupported = _unsupported_in_metadata(sampling_metadata)
     if unsupported:  # unverifiable_fields refuses these requests; reaching here is a bug of ours
         raise ValueError(f"beam-sampled-verify: {', '.join(unsupported)} under speculation on HPU "
-                         "are refused per request (beam_hpu.hpu.sampled_verify.unverifiable_fields)")
+                         "are refused per request (beam_hpu.runtime.speculative.hpu_sampled_verify.unverifiable_fields)")
     num_draft_tokens = list(metadata.num_draft_tokens)
     batch = len(num_draft_tokens)
     width = metadata.draft_token_ids.numel() // batch
@@ -162,4 +162,4 @@ def request_refusal(params: Any, *, model_type: str | None, speculative: bool,
     field, why = found[0]
     names = ", ".join(name for name, _ in found)
     return field, (f"{names} cannot be served with speculative decoding on Gaudi: {why} "
-                   "(beam_hpu.hpu.sampled_verify); drop the field or serve without --speculative-config")
+                   "(beam_hpu.runtime.speculative.hpu_sampled_verify); drop the field or serve without --speculative-config")

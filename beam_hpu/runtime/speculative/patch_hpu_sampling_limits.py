@@ -4,20 +4,20 @@ is refused with HTTP 400 naming its field, instead of reaching the engine.
 vLLM checks every request's SamplingParams against the engine's configs in `SamplingParams.verify`
 (in the API server, before the engine sees the request; min_p and logit_bias are refused there
 already under speculation). The wrap runs the stock checks, then
-`beam_hpu.hpu.sampled_verify.request_refusal` (Beam model, HPU, --speculative-config only) and
+`beam_hpu.runtime.speculative.hpu_sampled_verify.request_refusal` (Beam model, HPU, --speculative-config only) and
 raises vLLM's VLLMValidationError, which the OpenAI server answers with 400.
 """
 
 from __future__ import annotations
 
-from beam_hpu.patches.wrap import wrap
+from beam_hpu.runtime.wrap import wrap
 
 NAME = "hpu-speculative-sampling-limits"
 
 
 def with_limits(stock_verify, device_type: str):
     """SamplingParams.verify, then the HPU verify step's limits for `device_type`."""
-    from beam_hpu.hpu.sampled_verify import request_refusal
+    from beam_hpu.runtime.speculative.hpu_sampled_verify import request_refusal
 
     def verify(self, model_config, speculative_config, *args, **kwargs):
         stock_verify(self, model_config, speculative_config, *args, **kwargs)

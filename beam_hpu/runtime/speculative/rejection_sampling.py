@@ -5,11 +5,11 @@ and on Gaudi, so speculative sampling has one definition, tested once.
 - CPU: vLLM 0.30.0's `vllm/v1/sample/rejection_sampler.py` runs its four steps (greedy accept,
   random accept, per-token expansion, recovered tokens) through JIT-warmup Triton dispatchers
   that vLLM-CPU cannot launch; the runtime patch `cpu-rejection-sampler`
-  (beam_hpu/patches/cpu_rejection_sampler.py) routes `rejection_sample` and
+  (beam_hpu/runtime/speculative/patch_cpu_rejection_sampler.py) routes `rejection_sample` and
   `expand_batch_to_tokens` here.
 - HPU: vllm-gaudi's verifier is greedy only (`assert sampling_metadata.all_greedy`); the port
   unit `beam-sampled-verify` sends a Beam verify step with sampled rows through
-  `beam_hpu.hpu.sampled_verify`, which calls `verify` here.
+  `beam_hpu.runtime.speculative.hpu_sampled_verify`, which calls `verify` here.
 Every tensor is made on the device of the inputs (and a seeded request's generator draws on its
 own device), so the functions run where the logits are.
 

@@ -19,7 +19,7 @@ whichever group owns b now. So a runner serving it must
   listed twice (once per layer sharing it) is swapped back while the block ids stay remapped.
 
 A sliding group's table keeps the logical column order (freed columns hold the null block), so
-`beam_hpu.hpu.window`'s exact-window functions apply to it unchanged; the functions below only add
+`beam_hpu.runtime.sliding_window.hpu_window`'s exact-window functions apply to it unchanged; the functions below only add
 the per-group bookkeeping and the checks. Nothing here imports vLLM except `window_kv_spec`, which
 builds vLLM's spec object.
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from beam_hpu.hpu.window import (
+from beam_hpu.runtime.sliding_window.hpu_window import (
     _check_geometry,
     decode_window_blocks,
     decode_window_tables,

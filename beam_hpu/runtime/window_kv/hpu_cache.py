@@ -15,7 +15,7 @@ The port unit beam-window-kv-cache wires these into vllm-gaudi's HPUModelRunner 
 
 Off, or for any other model, none of them changes anything: the stock specs, the stock
 allocation, the runner's own cache list. The per-group rules (slots, tables, windows) are
-`beam_hpu.hpu.window_kv`'s.
+`beam_hpu.runtime.window_kv.groups`'s.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from beam_hpu.hpu.window_kv import allocation_windows, distinct_kv_caches, shared_buffer_layers, window_kv_spec
+from beam_hpu.runtime.window_kv.groups import allocation_windows, distinct_kv_caches, shared_buffer_layers, window_kv_spec
 from beam_hpu.names import MODEL_TYPE
 from beam_hpu.settings import switches
 

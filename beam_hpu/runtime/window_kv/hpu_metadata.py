@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-from beam_hpu.hpu.window_kv import GroupedMetadata
+from beam_hpu.runtime.window_kv.groups import GroupedMetadata
 
 # groups: each group's trimmed metadata; group_layer_names: each group's layer names (tuples of
 # str); primary: the index of the group that stands for the step. Only the groups hold tensors.

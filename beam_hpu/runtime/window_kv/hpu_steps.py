@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from beam_hpu.hpu.window_kv import GroupedMetadata, layer_groups, primary_group
+from beam_hpu.runtime.window_kv.groups import GroupedMetadata, layer_groups, primary_group
 
 METADATA_FIELD = "attn_metadata"
 

@@ -7,8 +7,8 @@ calls it): two ranks, each with half the experts, must sum to the single-rank re
 import pytest
 import torch
 
-from beam_hpu.cpu.expert_parallel import remap_topk_to_local
-from beam_hpu.patches.cpu_expert_parallel import _apply_with_expert_map
+from beam_hpu.runtime.expert_parallel.cpu_expert_parallel import remap_topk_to_local
+from beam_hpu.runtime.expert_parallel.patch_cpu_expert_parallel import _apply_with_expert_map
 
 E, H, I, T, K = 8, 64, 32, 11, 2
 

@@ -1,7 +1,7 @@
 """Expert parallel on CPU: TP=2 + --enable-expert-parallel serves the same logprobs as TP=1, and each
 rank holds only its own experts (per-rank inventory from the workers: expert count, global ids, and
 each slot's weights matched to the checkpoint). Unquantised experts run vLLM-CPU's kernel through
-`beam_hpu.cpu.expert_parallel`; FP8 experts run `beam_hpu.cpu.portable_fp8_moe`.
+`beam_hpu.runtime.expert_parallel.cpu_expert_parallel`; FP8 experts run `beam_hpu.runtime.fp8.portable_moe`.
 
 |delta logprob| over every position of two prompts (200 random tokens, ~130 of text), measured:
 - unquantised checkpoint served fp32: max 5.7e-6; bound 1e-4 (TP=2 without EP's bound).
@@ -17,7 +17,7 @@ each slot's weights matched to the checkpoint). Unquantised experts run vLLM-CPU
 - unquantised served bf16 (well-conditioned model): mean 0.012 vs TP=2 without EP 0.010 (the
   partial sums are bf16 before the all-reduce). Same bound.
 Mutation (last test): every expert id mapped wrongly in the running engine moves the logprobs by
-mean 1.4 (fp32) / 0.41 (FP8), far outside every bound; tests/cpu/test_expert_parallel.py
+mean 1.4 (fp32) / 0.41 (FP8), far outside every bound; tests/runtime/expert_parallel/test_cpu_expert_parallel.py
 does the same for the remap function on the real kernel.
 """
 

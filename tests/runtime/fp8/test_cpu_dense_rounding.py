@@ -19,7 +19,7 @@ from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel
 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig
 from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8DynamicTokenSym, kFp8StaticChannelSym
-from beam_hpu.patches import cpu_fp8_dense_rounding
+from beam_hpu.runtime.fp8 import patch_cpu_dense_rounding as cpu_fp8_dense_rounding
 
 spec = json.loads(sys.argv[1])
 config = FP8ScaledMMLinearLayerConfig(weight_quant_key=kFp8StaticChannelSym, activation_quant_key=kFp8DynamicTokenSym,
@@ -92,7 +92,7 @@ def test_only_dynamic_per_token_kernels_are_taken_over():
         kFp8StaticTensorSym,
     )
 
-    from beam_hpu.cpu.fp8_dense_rounding import dense_activation_quantiser, is_dynamic_per_token
+    from beam_hpu.runtime.fp8.cpu_dense_rounding import dense_activation_quantiser, is_dynamic_per_token
 
     class Config:
         def __init__(self, key):

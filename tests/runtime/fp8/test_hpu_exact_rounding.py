@@ -1,10 +1,10 @@
-"""beam_hpu.hpu.exact_rounding: which per-token FP8 quantiser a Gaudi layer gets (port unit
+"""beam_hpu.runtime.fp8.hpu_exact_rounding: which per-token FP8 quantiser a Gaudi layer gets (port unit
 beam-exact-rounding; the patched tree itself runs in tests/fixes/test_port_exact_rounding.py)."""
 
 import pytest
 import torch
 
-from beam_hpu.hpu.exact_rounding import activation_quantiser, served_model_type
+from beam_hpu.runtime.fp8.hpu_exact_rounding import activation_quantiser, served_model_type
 from beam_hpu.quant.rounding import FP8_E4M3FN_MAX, GAUDI2_FP8_MAX, per_token_fp8
 from beam_hpu.settings.switches import SwitchError
 

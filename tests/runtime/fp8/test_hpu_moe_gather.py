@@ -1,4 +1,4 @@
-"""beam_hpu.hpu.moe_gather: the gathered per-channel FP8 MoE equals the dense pass over every local
+"""beam_hpu.runtime.fp8.hpu_moe_gather: the gathered per-channel FP8 MoE equals the dense pass over every local
 expert, bit for bit (same per-expert GEMM on the same rows, same ascending fp32 combine), at
 T = 1, 2, 4, 8, 16, in both roundings of BEAM_EXACT_ROUNDING and both FP8 ranges, with shared
 experts, all tokens on one expert, and none on this rank (expert parallel by offset and by map).
@@ -11,9 +11,9 @@ input element (see `order_change_bound`), and the portable path is held to it.
 import pytest
 import torch
 
-from beam_hpu.cpu.portable_fp8_moe import fp8_experts_forward
-from beam_hpu.hpu import moe_gather
-from beam_hpu.hpu.moe_gather import (
+from beam_hpu.runtime.fp8.portable_moe import fp8_experts_forward
+from beam_hpu.runtime.fp8 import hpu_moe_gather as moe_gather
+from beam_hpu.runtime.fp8.hpu_moe_gather import (
     combine_weights,
     dense_fp8_moe,
     gathered_count,

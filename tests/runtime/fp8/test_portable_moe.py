@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from beam_hpu.cpu.portable_fp8_moe import fp8_experts_forward, local_expert_ids
+from beam_hpu.runtime.fp8.portable_moe import fp8_experts_forward, local_expert_ids
 from beam_hpu.reference.in_memory import fake_quant_per_token
 
 E, H, I, T, K = 6, 64, 32, 9, 2

@@ -12,7 +12,7 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
-from beam_hpu.hpu.grammar_mask import apply_token_bitmask  # noqa: E402
+from beam_hpu.runtime.grammar.hpu_device_mask import apply_token_bitmask  # noqa: E402
 
 
 def random_bitmask(rows: int, words: int, seed: int) -> torch.Tensor:
@@ -112,7 +112,7 @@ def test_bad_shapes_are_refused(logits_shape, bitmask, kwargs, message):
 
 def test_device_mask_switch_reads_the_port_switch():
     from beam_hpu.settings.switches import SwitchError
-    from beam_hpu.hpu.grammar_mask import device_mask_enabled
+    from beam_hpu.runtime.grammar.hpu_device_mask import device_mask_enabled
 
     assert device_mask_enabled({}) is True  # the recipe's value is the default
     assert device_mask_enabled({"BEAM_GRAMMAR_DEVICE_MASK": "0"}) is False

@@ -1,4 +1,4 @@
-"""The runtime patch `startup-guard` (beam_hpu/patches/startup_guard.py): the port's launch guards
+"""The runtime patch `startup-guard` (beam_hpu/runtime/guards/patch_startup_guard.py): the port's launch guards
 where vLLM calls them, `vllm serve`'s argument validation and every engine start."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from beam_hpu.patches import startup_guard as startup
+from beam_hpu.runtime.guards import patch_startup_guard as startup
 from tests.support.engines import REPO, cpu_env
 
 

@@ -1,7 +1,7 @@
-"""Prompt attention with cached context in bounded query tiles (beam_hpu/hpu/prefill_attention.py).
+"""Prompt attention with cached context in bounded query tiles (beam_hpu/runtime/prefill/hpu_fsdpa_tiles.py).
 
 The tiled result is checked against attention written out by its definition (fp32 softmax over
-every key of the chunk's key set, under the bias beam_hpu.hpu.window builds for the runner), across
+every key of the chunk's key set, under the bias beam_hpu.runtime.sliding_window.hpu_window builds for the runner), across
 tile edges, window edges and block edges with block size 128, and for a 4,096-token chunk against
 32K cached tokens. The workspace checks run the real function on meta tensors (shapes only) at the
 recipe's shapes for 16K..256K of context.
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from beam_hpu.settings.switches import FSDPA_Q_TILE_STEP, SwitchError
-from beam_hpu.hpu import prefill_attention as pa
-from beam_hpu.hpu import window as win
+from beam_hpu.runtime.prefill import hpu_fsdpa_tiles as pa
+from beam_hpu.runtime.sliding_window import hpu_window as win
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BS = 128
 W = 512
 FULL = 10**9  # a "window" wider than any position: window.prefill_window_mask is then plain causal

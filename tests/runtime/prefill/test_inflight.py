@@ -1,4 +1,4 @@
-"""BEAM_PREFILL_INFLIGHT's order (beam_hpu.hpu.prefill_inflight): every decode before every
+"""BEAM_PREFILL_INFLIGHT's order (beam_hpu.runtime.prefill.inflight): every decode before every
 prefilling request, each group in its own order, nothing lost or added; and the flag it reads is
 the one vLLM's scheduler sets on a real request after a step."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from beam_hpu.hpu.prefill_inflight import decodes_first, is_prefilling
+from beam_hpu.runtime.prefill.inflight import decodes_first, is_prefilling
 
 
 @dataclass(frozen=True)

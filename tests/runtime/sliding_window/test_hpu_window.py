@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from beam_hpu.hpu import window as win
+from beam_hpu.runtime.sliding_window import hpu_window as win
 
 BLOCK_SIZES = (16, 32, 128)
 

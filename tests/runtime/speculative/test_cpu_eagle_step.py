@@ -1,4 +1,4 @@
-"""The EAGLE drafting step's position/slot/seq_len update on CPU (beam_hpu.cpu.eagle_step, patch
+"""The EAGLE drafting step's position/slot/seq_len update on CPU (beam_hpu.runtime.speculative.cpu_eagle_step, patch
 cpu-eagle-step): against its definition (a per-request loop written here) and against vLLM-CPU's
 own C++ op for the same step; the stock dispatcher it replaces cannot run on this host."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from beam_hpu.cpu.eagle_step import advance_one_position
+from beam_hpu.runtime.speculative.cpu_eagle_step import advance_one_position
 
 PAD = -1
 
@@ -66,8 +66,8 @@ def test_matches_vllm_cpu_op():
 def test_stock_dispatcher_cannot_run_here_and_the_patch_replaces_it():
     from vllm.v1.spec_decode import llm_base_proposer, utils
 
-    from beam_hpu.patches import cpu_eagle_step
-    from beam_hpu.patches.wrap import patch_of
+    from beam_hpu.runtime.speculative import patch_cpu_eagle_step as cpu_eagle_step
+    from beam_hpu.runtime.wrap import patch_of
 
     positions, table, seq_lens, bs, max_len = case(4, 3)
     outs = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)

@@ -6,7 +6,7 @@ forbidden draft there and `tests/e2e/test_spec_ngram.py` would pass with a verif
 the grammar. Here the scheduler's trim is bypassed: the drafts go as they are into the two calls
 vLLM-CPU's runner makes on a verify step (GPUModelRunner.sample_tokens, which CPUModelRunner
 inherits): vLLM's own `apply_grammar_bitmask` over all k+1 rows of each request, then vLLM's
-`RejectionSampler` through the `cpu-rejection-sampler` patch (beam_hpu/speculative/rejection_sampling.py).
+`RejectionSampler` through the `cpu-rejection-sampler` patch (beam_hpu/runtime/speculative/rejection_sampling.py).
 The grammar is real: a json_schema compiled by vLLM's StructuredOutputManager with xgrammar for the
 tiny Beam tokenizer, its k+1 bitmask rows filled by the manager's own `grammar_bitmask`. Only the
 input batch is a plain holder of the batch order (`apply_grammar_bitmask` reads its `req_ids` alone).
@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("xgrammar")
 
 from beam_hpu.tiny.checkpoint import TRAINED_DIR  # noqa: E402
-from tests.speculative.test_rejection_sampling import sampling_metadata, spec_metadata  # noqa: E402
+from tests.runtime.speculative.test_rejection_sampling import sampling_metadata, spec_metadata  # noqa: E402
 
 K = 4
 ONLY_LIMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Lima"]}}, "required": ["city"],
@@ -77,7 +77,7 @@ def step(manager):
     from transformers import AutoTokenizer
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
-    from beam_hpu.patches import cpu_rejection_sampler
+    from beam_hpu.runtime.speculative import patch_cpu_rejection_sampler as cpu_rejection_sampler
 
     tok = AutoTokenizer.from_pretrained(str(TRAINED_DIR))
     ids = {piece: tok.convert_tokens_to_ids(piece) for piece in ("T", "ok", "y", "o", "L", "i", "m", "a", "}")}

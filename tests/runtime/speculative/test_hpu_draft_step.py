@@ -1,4 +1,4 @@
-"""EAGLE draft-step rows at the end of the model length (beam_hpu.hpu.draft_step), against the
+"""EAGLE draft-step rows at the end of the model length (beam_hpu.runtime.speculative.hpu_draft_step), against the
 definition: a row below max_model_len keeps its own position's block count and slot; a row at
 or past it attends one block and writes to the pad block; the block count always fits a table
 of cdiv(max_model_len, block_size) columns."""
@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from beam_hpu.hpu.draft_step import draft_step_block_counts, draft_step_pad_slots
+from beam_hpu.runtime.speculative.hpu_draft_step import draft_step_block_counts, draft_step_pad_slots
 
 
 @pytest.mark.parametrize("bs", [1, 4, 128])

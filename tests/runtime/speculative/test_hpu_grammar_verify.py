@@ -1,4 +1,4 @@
-"""Grammar rows on a verify step (beam_hpu.hpu.grammar_verify): against vLLM 0.30.0's own
+"""Grammar rows on a verify step (beam_hpu.runtime.speculative.hpu_grammar_verify): against vLLM 0.30.0's own
 apply_grammar_bitmask (the GPU runner's row layout, run here on CPU with xgrammar's kernel) where
 the layouts coincide, and against the definition (row i of a request masked with its bitmask row
 i, every other row untouched) on vllm-gaudi's padded verify layout and for prompts by owner."""
@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("xgrammar")
 
-from beam_hpu.hpu.grammar_verify import (  # noqa: E402
+from beam_hpu.runtime.speculative.hpu_grammar_verify import (  # noqa: E402
     apply_grammar_rows, grammar_row_pairs, owner_row_spans, verify_row_spans)
 
 VOCAB = 100  # not a multiple of 32: the last bitmask word is partly past the vocabulary

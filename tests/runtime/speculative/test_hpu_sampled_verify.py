@@ -1,4 +1,4 @@
-"""The plain functions of the Gaudi verify step with sampled rows (beam_hpu.hpu.sampled_verify):
+"""The plain functions of the Gaudi verify step with sampled rows (beam_hpu.runtime.speculative.hpu_sampled_verify):
 the padded layout's real draft slots, the drafts' target processing, and which requests it refuses.
 The step itself runs on the vllm-gaudi tree in tests/fixes/test_port_sampled_verify.py."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from beam_hpu.hpu import sampled_verify as sv
+from beam_hpu.runtime.speculative import hpu_sampled_verify as sv
 
 
 def test_real_draft_slots_skip_the_padding_of_each_sequence():

@@ -1,5 +1,5 @@
 """A verify step's padding rows (row j >= num_tokens[s] of a real sequence s) write to the pad
-block: beam_hpu.hpu.verify_step.verify_step_padding_slots on vllm-gaudi's [batch, tokens] slot
+block: beam_hpu.runtime.speculative.hpu_verify_tables.verify_step_padding_slots on vllm-gaudi's [batch, tokens] slot
 mapping, where such a row holds the slot of the sequence's position 0."""
 
 import itertools
@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from beam_hpu.hpu.verify_step import verify_step_padding_slots
+from beam_hpu.runtime.speculative.hpu_verify_tables import verify_step_padding_slots
 
 BS = 4
 PAD_BASE = 50 * BS  # the pad block of a 50-block pool

@@ -3,15 +3,15 @@
 The rows are laid out as vllm-gaudi's decode path lays them (row s * num_tokens + j, one token
 each, the slot of position ctx + j); what a row attends is read with the rule vllm-gaudi's
 paged decode applies (every table block full but the last, the last up to the row's slot offset)
-and, for sliding layers, through beam_hpu.hpu.window.decode_window_tables. Both must equal the
+and, for sliding layers, through beam_hpu.runtime.sliding_window.hpu_window.decode_window_tables. Both must equal the
 definition: the query at p attends 0..p (full) and p-W+1..p (sliding).
 """
 
 import pytest
 import torch
 
-from beam_hpu.hpu import window as win
-from beam_hpu.hpu.verify_step import verify_step_block_tables
+from beam_hpu.runtime.sliding_window import hpu_window as win
+from beam_hpu.runtime.speculative.hpu_verify_tables import verify_step_block_tables
 
 K = 4  # drafts per verify step: rows carry positions ctx .. ctx + K
 

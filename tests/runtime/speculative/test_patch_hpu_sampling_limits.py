@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from beam_hpu.patches.hpu_speculative_sampling import with_limits
+from beam_hpu.runtime.speculative.patch_hpu_sampling_limits import with_limits
 from tests.support.engines import REPO
 
 TINY = REPO / "beam_hpu/tiny/data/trained_tiny"

@@ -1,4 +1,4 @@
-"""Verification of drafted tokens (beam_hpu.speculative.rejection_sampling, the functions the CPU
+"""Verification of drafted tokens (beam_hpu.runtime.speculative.rejection_sampling, the functions the CPU
 patch cpu-rejection-sampler and the Gaudi unit beam-sampled-verify call) against the definition
 of speculative sampling, written here as a plain per-request loop.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from beam_hpu.speculative import rejection_sampling as rs
+from beam_hpu.runtime.speculative import rejection_sampling as rs
 
 P = rs.PLACEHOLDER
 
@@ -229,7 +229,7 @@ def vllm_sampler():
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    from beam_hpu.patches import cpu_rejection_sampler
+    from beam_hpu.runtime.speculative import patch_cpu_rejection_sampler as cpu_rejection_sampler
 
     cpu_rejection_sampler.install()
     return RejectionSampler(Sampler())

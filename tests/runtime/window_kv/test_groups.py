@@ -1,4 +1,4 @@
-"""Window-sized KV rules (beam_hpu/hpu/window_kv.py), checked two ways.
+"""Window-sized KV rules (beam_hpu/runtime/window_kv/groups.py), checked two ways.
 
 Plain: against the exact-window definition (query i sees keys j with i - W < j <= i) and brute
 force, for several block sizes and windows that are and are not multiples of them.
@@ -18,8 +18,8 @@ import random
 
 import pytest
 
-from beam_hpu.hpu import window as win
-from beam_hpu.hpu import window_kv as wkv
+from beam_hpu.runtime.sliding_window import hpu_window as win
+from beam_hpu.runtime.window_kv import groups as wkv
 
 # ------------------------------------------------------------------ plain rules
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from beam_hpu.hpu import window as win
-from beam_hpu.hpu import window_kv as wkv
+from beam_hpu.runtime.sliding_window import hpu_window as win
+from beam_hpu.runtime.window_kv import groups as wkv
 
 pytest.importorskip("vllm")
 from vllm.config import VllmConfig  # noqa: E402

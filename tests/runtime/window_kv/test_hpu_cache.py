@@ -1,4 +1,4 @@
-"""beam_hpu.hpu.window_kv_cache: the switch, the specs, and the shared-buffer allocation plan,
+"""beam_hpu.runtime.window_kv.hpu_cache: the switch, the specs, and the shared-buffer allocation plan,
 against vLLM 0.30's own spec classes, grouping and KVCacheConfig layout."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from beam_hpu.hpu import window_kv as wkv
-from beam_hpu.hpu import window_kv_cache as wkc
+from beam_hpu.runtime.window_kv import groups as wkv
+from beam_hpu.runtime.window_kv import hpu_cache as wkc
 from beam_hpu.settings.switches import SwitchError
-from tests.hpu.test_window_kv_vllm import beam_kv_cache_config, beam_layer_windows, vllm_config
+from tests.runtime.window_kv.test_groups_vllm import beam_kv_cache_config, beam_layer_windows, vllm_config
 
 pytest.importorskip("vllm")
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups  # noqa: E402

@@ -1,4 +1,4 @@
-"""The consumer-side rules for per-group attention metadata (beam_hpu/hpu/window_kv_metadata.py):
+"""The consumer-side rules for per-group attention metadata (beam_hpu/runtime/window_kv/hpu_metadata.py):
 trimming and processing once per group, the layer assignment kept through both, the prompt block
 lists of every group, the warm-up key, and a graph-input hash (the PT bridge's rule: tuples by
 element, tensors by shape, the rest by value) that depends on tensor shapes only."""
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
-from beam_hpu.hpu import window_kv as wkv
-from beam_hpu.hpu import window_kv_metadata as wkm
+from beam_hpu.runtime.window_kv import groups as wkv
+from beam_hpu.runtime.window_kv import hpu_metadata as wkm
 from tests.support.hpu_graph_hash import bridge_hash, bridge_tensors
 
 GROUPS = [["full.0", "full.1"], ["slide.0", "slide.1"], ["slide.2"]]

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from beam_hpu.hpu import window_kv_steps as steps
-from beam_hpu.hpu.window_kv import GroupedMetadata
+from beam_hpu.runtime.window_kv import hpu_steps as steps
+from beam_hpu.runtime.window_kv.groups import GroupedMetadata
 
 pytest.importorskip("vllm")
-from tests.hpu.test_window_kv_vllm import beam_kv_cache_config, vllm_config  # noqa: E402
+from tests.runtime.window_kv.test_groups_vllm import beam_kv_cache_config, vllm_config  # noqa: E402
 
 
 def full_only_config():

@@ -1,0 +1,1 @@
+"""Expert parallel on vLLM-CPU's unquantised experts."""

@@ -1,0 +1,1 @@
+"""FP8 compute for Beam: activation rounding, portable and gathered FP8 experts."""

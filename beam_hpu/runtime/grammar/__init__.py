@@ -1,0 +1,1 @@
+"""The response grammar's token bitmask on the logits' device."""

@@ -1,0 +1,1 @@
+"""Exact sliding windows over vllm-gaudi's paged KV cache."""

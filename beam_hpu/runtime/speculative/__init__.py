@@ -1,0 +1,1 @@
+"""Speculative decoding for Beam: drafting steps, verification under sampling and grammar."""

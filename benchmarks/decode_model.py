@@ -51,7 +51,7 @@ GB = 1e9
 ONE_STREAM_TOK_S = (28.5, 29.5)
 SIXTEEN_STREAMS_TOK_S = 410.0
 BATCHES = (1, 2, 4, 8, 16)
-RECIPE_LIMIT = 1  # BEAM_MOE_GATHER in serving/launch.sh
+VARIANT_LIMIT = 1  # BEAM_MOE_GATHER of the opt-in variant (serving/launch-moe-gather.sh; the recipe: 0)
 
 
 @dataclass(frozen=True)
@@ -189,9 +189,9 @@ def main(argv=None) -> None:
 
     print("Predicted decode (serial model); tok/s aggregate; '*' = T past 16, other() extrapolated")
     print("  (copy / fused: the gathered path taken at that T, its G experts copied by index_select or the gather")
-    print(f"  fused into the GEMMs; recipe: what BEAM_MOE_GATHER={RECIPE_LIMIT} runs, copy-fused where it gathers)")
+    print(f"  fused into the GEMMs; variant: what launch-moe-gather.sh's BEAM_MOE_GATHER={VARIANT_LIMIT} runs, copy-fused where it gathers)")
     print("  batch  k  T    G | GB/card stock  copy  fused | step ms stock  copy fused | tok/s stock   copy  fused"
-          " | recipe tok/s")
+          " | variant tok/s")
     for k in (0, a.drafts):
         emitted = 1.0 if k == 0 else a.accepted
         for batch in BATCHES:
@@ -207,16 +207,16 @@ def main(argv=None) -> None:
                   f"{nbytes['gathered-fused'] / GB:6.1f} |"
                   f"      {steps['stock']:6.1f} {steps['gathered-copy']:5.1f} {steps['gathered-fused']:5.1f} |"
                   f"      {rates['stock']:6.1f} {rates['gathered-copy']:6.1f} {rates['gathered-fused']:6.1f} |"
-                  + (f" {rates['gathered-copy']:.1f}-{rates['gathered-fused']:.1f}" if tokens <= RECIPE_LIMIT
+                  + (f" {rates['gathered-copy']:.1f}-{rates['gathered-fused']:.1f}" if tokens <= VARIANT_LIMIT
                      else f" {rates['stock']:.1f}"))
     print()
     print("Where the gathered path can win: G < local experts (T x top-k < "
           f"{s.local_experts}, T <= {(s.local_experts - 1) // s.top_k}); with the copy only while 3G < "
-          f"{s.local_experts} (T = 1). The recipe's BEAM_MOE_GATHER={RECIPE_LIMIT} takes it at T <= "
-          f"{RECIPE_LIMIT} only: batch-1 decode without drafts; every verify step (T >= 2) keeps the stock op.")
+          f"{s.local_experts} (T = 1). The variant's BEAM_MOE_GATHER={VARIANT_LIMIT} takes it at T <= "
+          f"{VARIANT_LIMIT} only: batch-1 decode without drafts; every verify step (T >= 2) keeps the stock op.")
     t_copy, t_fused = other(1) + ms(step_bytes(s, 1, 1, a.context, "gathered-copy")), \
         other(1) + ms(step_bytes(s, 1, 1, a.context, "gathered-fused"))
-    print("\nThe card measurement: single-stream tok/s, BEAM_MOE_GATHER=1 against 0 (recipe otherwise)")
+    print("\nThe card measurement: single-stream tok/s, BEAM_MOE_GATHER=1 (launch-moe-gather.sh) against 0 (launch.sh)")
     print(f"  this model predicts {1e3 / t_copy:.1f} tok/s (gather copied) to {1e3 / t_fused:.1f} tok/s "
           f"(gather fused) against {1e3 / one:.1f}; within the stock runs' {lo}-{hi} tok/s refutes the "
           "premises (host-bound step, or the fused op already skips unrouted experts)")

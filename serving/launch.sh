@@ -33,14 +33,18 @@ export BEAM_PREFILL_INFLIGHT=1
 export BEAM_FSDPA_WS_GIB=2
 export BEAM_FSDPA_Q_TILE=256
 export BEAM_GRAMMAR_DEVICE_MASK=1
-# Batch-1 decode reads only the 8 routed experts of the card's 32 (port patch beam-moe-gather);
-# benchmarks/decode_model.py models 35-64 tok/s against 29 if the step is bandwidth-bound (a model,
-# not a measurement: the Verified figures ran without it; BEAM_MOE_GATHER=0 is the stock op).
-export BEAM_MOE_GATHER=1
+# Gathered FP8 experts (port patch beam-moe-gather) stay off: 0 is vllm-gaudi's fused op, as in the
+# Verified run. Its gain is a model (benchmarks/decode_model.py) whose premise, that the fused op
+# streams every local expert however few are routed, no card has measured; if the op skips idle
+# experts, gathering makes every single-stream step slower. serving/launch-moe-gather.sh turns it
+# on once a card's single-stream A/B (benchmarks/README.md) says it wins.
+export BEAM_MOE_GATHER=0
 # Window-sized KV for the 43 sliding layers (port unit beam-window-kv-cache): off until a card run confirms it.
 export BEAM_WINDOW_KV=0
 # serving/launch-speculative.sh serves with its own bucket file (recipe.yaml speculative.env).
 if [ -n "${VARIANT_BUCKETING_FROM_FILE:-}" ]; then VLLM_BUCKETING_FROM_FILE=$VARIANT_BUCKETING_FROM_FILE; fi
+# serving/launch-moe-gather.sh: the opt-in gathered experts (recipe.yaml moe_gather.env).
+if [ -n "${VARIANT_MOE_GATHER:-}" ]; then BEAM_MOE_GATHER=$VARIANT_MOE_GATHER; fi
 
 # Fixes: the v0.30.0 profile, in the pack's order.
 # Stops with a non-zero exit code if the image does not match.

@@ -142,10 +142,12 @@ SWITCHES: dict[str, Switch] = _switches(
         "attention with cached context (a prefill chunk after cached tokens: chunked prefill, "
         "prefix-cache hits), modelled as the fp32 scores of every query head plus the bf16 bias "
         "tile (beam_hpu.runtime.prefill.hpu_fsdpa_tiles.workspace_bytes). The port patch beam-fsdpa-tiles "
-        "computes such a chunk in query tiles of BEAM_FSDPA_Q_TILE rows, fewer (the most that fit, "
-        "in steps of 128 rows when one step fits) when a tile would pass the bound or its bias "
-        "plane would reach 2**31 bytes; each tile attends only the keys its rows can see (causal; "
-        "on sliding layers the window). 0 removes the bound and the tiling: one call per chunk, as "
+        "makes the stock single call wherever it fits the bound and keeps its bias plane under "
+        "2**31 bytes (at TP 8, a 4,096-token chunk over up to 16,000 cached tokens under 2 GiB); only "
+        "a chunk that does not fit is computed in query tiles of BEAM_FSDPA_Q_TILE rows, fewer (the "
+        "most that fit, in steps of 128 rows when one step fits) when such a tile would not fit; "
+        "each tile attends only the keys its rows can see (causal; on sliding layers the window). "
+        "0 removes the bound and the tiling: one call per chunk, as "
         "stock vllm-gaudi; prompts with 32K or more tokens of cached context then grow the "
         "workspace past the free device memory (NaN logits or a dead engine), so the port refuses "
         "0 with --max-model-len of 32768 or more. Prefill without cached context, decode and other "
@@ -156,11 +158,12 @@ SWITCHES: dict[str, Switch] = _switches(
         "256",
         parse_q_tile,
         "Query rows per FusedSDPA call in Beam's prompt attention with cached context (port patch "
-        "beam-fsdpa-tiles) while BEAM_FSDPA_WS_GIB is not 0; a tile gets fewer rows when "
+        "beam-fsdpa-tiles) for a chunk whose single call does not fit BEAM_FSDPA_WS_GIB (not 0); "
+        "a chunk that fits is one call whatever this says; a tile gets fewer rows when "
         "BEAM_FSDPA_WS_GIB or FusedSDPA's bias-plane limit requires. FusedSDPA addresses each "
         "query-by-key bias plane with a 32-bit byte offset, so a plane of 2**31 bytes or more "
         "silently returns NaN: a 4,096-token chunk over 262,144 keys in bf16 is exactly 2**31 "
-        "bytes. 0: no fixed tile, the chunk is split only where the bound requires; otherwise a "
+        "bytes. 0: no fixed tile, the fewest tiles that fit; otherwise a "
         "multiple of 128, the query bucket step, so every bucket splits into whole tiles. Ignored "
         "when BEAM_FSDPA_WS_GIB=0 (one call per chunk).",
     ),

@@ -218,9 +218,27 @@ def test_launch_script_and_recipe_yaml_agree():
 # Switches the port's launch block carries that the published recipe text does not yet: its
 # Verified and Performance figures ran without them, so the text gains them with a card run.
 NOT_YET_PUBLISHED = {
-    "BEAM_MOE_GATHER": "1",  # issue 24: a model's gain, not yet measured
-    "BEAM_WINDOW_KV": "0",  # issue 26: off, as the published run (stock cache); listed so the launch sets every switch
+    "BEAM_MOE_GATHER": "0",  # off: the stock fused op, as the published run; opt-in variant moe_gather
+    "BEAM_WINDOW_KV": "0",  # off, as the published run (stock cache); listed so the launch sets every switch
 }
+
+
+def test_the_launch_turns_on_nothing_the_published_run_did_not_measure():
+    """A switch the Verified figures ran without is at its off value: the node is never slower or
+    different from what the published figures measured until a card says otherwise."""
+    for name in NOT_YET_PUBLISHED:
+        assert switches.read_switch(name, LAUNCH_BLOCK.env) in (0, False), name
+
+
+def test_the_moe_gather_variant_turns_on_only_its_switch(tmp_path):
+    env = fake_bin(tmp_path, fix_exit=0)
+    run = subprocess.run([str(LAUNCH.parent / "launch-moe-gather.sh"), "/models/beam"], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    served_env = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
+    want = {**RECIPE["env"], **RECIPE["moe_gather"]["env"]}
+    assert {k: served_env.get(k) for k in want} == want and want["BEAM_MOE_GATHER"] == "1"
+    assert (tmp_path / "argv").read_text().splitlines()[:2] == ["serve", "/models/beam"]
 
 
 def test_published_recipe_agrees_with_both():

@@ -63,16 +63,16 @@ def tile_rows(query_len: int, keys: int, *, batch: int, q_heads: int, q_tile: in
     """Query rows per call for a chunk of `query_len` rows against `keys` keys (the chunk's whole
     key set: no tile sees more, so the choice holds for every tile).
 
-    `ws_gib` 0: the whole chunk in one call (vllm-gaudi's stock call). Otherwise `q_tile` rows (0:
-    the whole chunk), fewer when that many rows would pass `ws_gib` GiB (`workspace_bytes`) or make a
-    bias plane of BIAS_PLANE_LIMIT_BYTES: then the most rows that fit, rounded down to the query
-    bucket step (FSDPA_Q_TILE_STEP) when at least one step fits.
+    `ws_gib` 0: the whole chunk in one call (vllm-gaudi's stock call). Otherwise the whole chunk too
+    wherever one call fits: its workspace (`workspace_bytes`) within `ws_gib` GiB and its bias plane
+    under BIAS_PLANE_LIMIT_BYTES. Only a chunk that does not fit is tiled: in `q_tile` rows when
+    that many fit, else (and with `q_tile` 0) in the fewest tiles, the most rows that fit rounded
+    down to the query bucket step (FSDPA_Q_TILE_STEP) when at least one step fits.
     """
     if query_len < 1 or keys < 1:
         raise ValueError(f"prefill attention needs at least one query row and key, got {query_len} and {keys}")
     if ws_gib == 0:
         return query_len
-    rows = min(q_tile or query_len, query_len)
     per_row = workspace_bytes(batch, q_heads, 1, keys, bias_bytes=bias_bytes, score_bytes=score_bytes)
     fit = min(int(ws_gib * GIB) // per_row, (BIAS_PLANE_LIMIT_BYTES - 1) // (keys * bias_bytes))
     if fit < 1:
@@ -80,9 +80,11 @@ def tile_rows(query_len: int, keys: int, *, batch: int, q_heads: int, q_tile: in
             f"BEAM_FSDPA_WS_GIB={ws_gib:g}: one query row against {keys} keys needs "
             f"{per_row / GIB:.3g} GiB of attention workspace ({batch} sequence(s), {q_heads} query heads); "
             "raise the bound")
-    if rows > fit:
-        rows = fit // FSDPA_Q_TILE_STEP * FSDPA_Q_TILE_STEP or fit
-    return rows
+    if query_len <= fit:
+        return query_len
+    if 0 < q_tile <= fit:
+        return q_tile
+    return fit // FSDPA_Q_TILE_STEP * FSDPA_Q_TILE_STEP or fit
 
 
 def tile_key_range(first_row: int, end_row: int, ctx_slots: int, window: int | None) -> tuple[int, int]:

@@ -80,6 +80,12 @@ def tensors(batch, q_heads, kv_heads, rows, keys, dim, seed=0, device="cpu"):
     return make(batch, q_heads, rows, dim), make(batch, kv_heads, keys, dim), make(batch, kv_heads, keys, dim)
 
 
+def bound_for(rows, q, k):
+    """The BEAM_FSDPA_WS_GIB that holds exactly `rows` query rows of this call (fp32 scores, bf16
+    bias), so a chunk of more rows is tiled."""
+    return pa.workspace_bytes(q.shape[0], q.shape[1], rows, k.shape[-2]) / pa.GIB
+
+
 def assert_rows_match(got, want, query_lens):
     for b, n in enumerate(query_lens):  # padding rows of a padded batch are nobody's output
         torch.testing.assert_close(got[b, :, :n], want[b, :, :n], rtol=1e-5, atol=1e-5)
@@ -112,7 +118,8 @@ def test_tiles_equal_the_definition_at_tile_window_and_block_edges(ctx_lens, que
     assert_rows_match(untiled, want, query_lens)
 
     tiles = Recorder(scale)
-    got = pa.prefill_attention(q, k, v, bias, tiles, q_tile=q_tile, ws_gib=2, window=W if sliding else None)
+    ws_gib = bound_for(q_tile, q, k)  # one call would not fit; a q_tile tile does
+    got = pa.prefill_attention(q, k, v, bias, tiles, q_tile=q_tile, ws_gib=ws_gib, window=W if sliding else None)
     assert_rows_match(got, want, query_lens)
     rows = [c[0][2] for c in tiles.calls]
     assert sum(rows) == seq_len and rows[:-1] == [q_tile] * (len(rows) - 1)
@@ -137,7 +144,7 @@ def test_a_wrong_key_range_would_be_caught(monkeypatch):
         return k0 + (k0 > 0), k1
 
     monkeypatch.setattr(pa, "tile_key_range", one_key_short)
-    got = pa.prefill_attention(q, k, v, bias, pa.sdpa_kernel(0.25), q_tile=256, ws_gib=2, window=W)
+    got = pa.prefill_attention(q, k, v, bias, pa.sdpa_kernel(0.25), q_tile=256, ws_gib=bound_for(256, q, k), window=W)
     assert not torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -148,22 +155,28 @@ def test_a_4096_token_chunk_against_32k_of_context(sliding):
     q, k, v = tensors(1, 2, 1, seq_len, ctx_slots + seq_len, 8)
     want = definition(q, k, v, bias, 8**-0.5)
     tiles = Recorder(8**-0.5)
-    # The 2 GiB default is not reached by 2 heads; a bound of 0.25 GiB makes the tile choice act too.
-    got = pa.prefill_attention(q, k, v, bias, tiles, q_tile=1024, ws_gib=0.25, window=W if sliding else None)
+    # The 2 GiB default is not reached by 2 heads: a bound of 0.25 GiB (full layer) or of 1,024 rows
+    # (the sliding layer's trimmed keys) makes the chunk too large for one call.
+    ws_gib = min(0.25, bound_for(1024, q, k))
+    got = pa.prefill_attention(q, k, v, bias, tiles, q_tile=1024, ws_gib=ws_gib, window=W if sliding else None)
     assert_rows_match(got, want, query_lens)
     assert len(tiles.calls) > 1
     for (_, _, rows, _), (_, _, keys, _), _ in tiles.calls[:-1]:
         assert rows % FSDPA_Q_TILE_STEP == 0 and rows <= 1024
-        assert pa.workspace_bytes(1, 2, rows, keys) <= 0.25 * pa.GIB
+        assert pa.workspace_bytes(1, 2, rows, keys) <= ws_gib * pa.GIB
 
 
 def test_between_tiles_runs_between_tiles_only():
     bias, ctx_slots = chunk_bias([300], [512], 512, sliding=False)
     q, k, v = tensors(1, 6, 1, 512, ctx_slots + 512, 8)
     marks = []
-    pa.prefill_attention(q, k, v, bias, pa.sdpa_kernel(0.3), q_tile=128, ws_gib=2,
+    pa.prefill_attention(q, k, v, bias, pa.sdpa_kernel(0.3), q_tile=128, ws_gib=bound_for(128, q, k),
                          between_tiles=lambda: marks.append(1))
     assert len(marks) == 3
+    marks.clear()  # where the whole chunk fits the bound: one call, nothing between
+    pa.prefill_attention(q, k, v, bias, pa.sdpa_kernel(0.3), q_tile=128, ws_gib=2,
+                         between_tiles=lambda: marks.append(1))
+    assert marks == []
 
 
 # ---------------------------------------------------------------- the workspace at the recipe's shapes
@@ -215,18 +228,51 @@ def test_every_prompt_bucket_with_context_of_the_recipe_stays_under_the_bound():
 @pytest.mark.parametrize("ws_gib", [0.05, 0.5, 1, 2, 8, 48])
 @pytest.mark.parametrize("q_tile", [0, 128, 256, 1024])
 def test_the_tile_choice_keeps_the_bound_and_the_bucket_step(ws_gib, q_tile):
+    chunk = RECIPE["chunk"]
     for ctx_len in (0, 16384, 262144, 1 << 20):
-        keys = -(-ctx_len // BS) * BS + RECIPE["chunk"]
-        rows = pa.tile_rows(RECIPE["chunk"], keys, batch=1, q_heads=6, q_tile=q_tile, ws_gib=ws_gib)
-        assert 1 <= rows <= (q_tile or RECIPE["chunk"])
-        assert pa.workspace_bytes(1, 6, rows, keys) <= ws_gib * pa.GIB
-        assert rows * keys * 2 < pa.BIAS_PLANE_LIMIT_BYTES
-        fits_a_step = pa.workspace_bytes(1, 6, FSDPA_Q_TILE_STEP, keys) <= ws_gib * pa.GIB
-        assert (rows % FSDPA_Q_TILE_STEP == 0) is fits_a_step
-        if rows < min(q_tile or RECIPE["chunk"], RECIPE["chunk"]):  # cut: the next step would not fit
-            more = rows + (FSDPA_Q_TILE_STEP if fits_a_step else 1)
-            assert (pa.workspace_bytes(1, 6, more, keys) > ws_gib * pa.GIB
-                    or more * keys * 2 >= pa.BIAS_PLANE_LIMIT_BYTES)
+        keys = -(-ctx_len // BS) * BS + chunk
+
+        def fits(rows):
+            return pa.workspace_bytes(1, 6, rows, keys) <= ws_gib * pa.GIB and rows * keys * 2 < pa.BIAS_PLANE_LIMIT_BYTES
+
+        rows = pa.tile_rows(chunk, keys, batch=1, q_heads=6, q_tile=q_tile, ws_gib=ws_gib)
+        assert 1 <= rows <= chunk and fits(rows)
+        if fits(chunk):  # one call wherever the untiled call fits: the stock call
+            assert rows == chunk
+        elif q_tile and fits(q_tile):
+            assert rows == q_tile
+        else:  # the fewest tiles: the most rows that fit, on the bucket step when one step fits
+            fits_a_step = fits(FSDPA_Q_TILE_STEP)
+            assert (rows % FSDPA_Q_TILE_STEP == 0) is fits_a_step
+            assert not fits(rows + (FSDPA_Q_TILE_STEP if fits_a_step else 1))
+
+
+def test_a_4096_token_chunk_is_one_call_up_to_the_bound_and_tiled_past_it():
+    """At TP 8 (6 query heads, fp32 scores + bf16 bias: 26 bytes per query row and key) a 4,096-row
+    call fits 2 GiB up to 2**31 / (4096 * 26) = 20,164 keys: 16,068 context tokens, 125 blocks of
+    128 (16,000 slots). Up to there BEAM_FSDPA_Q_TILE=256 changes nothing; past it, 256-row tiles."""
+    chunk, per_key_row = RECIPE["chunk"], 6 * 4 + 2
+    last_block = (2 * pa.GIB // (chunk * per_key_row) - chunk) // BS
+    assert last_block == 125
+    for blocks, want in ((1, 1), (64, 1), (last_block, 1), (last_block + 1, 16), (2048, 16)):
+        calls = recipe_calls_on_meta(blocks * BS, False, q_tile=256, ws_gib=2)
+        assert len(calls) == want, (blocks, calls[:2])
+        assert calls == pa.recipe_calls(blocks * BS, sliding=False, q_tile=256, ws_gib=2)
+    # a sliding layer's context is trimmed to its window: one call at every context length
+    assert all(len(recipe_calls_on_meta(ctx, True, q_tile=256, ws_gib=2)) == 1 for ctx in (4096, 262144))
+
+
+@pytest.mark.parametrize("ctx_len", [1024, 12288, 32768])
+def test_one_call_and_tiles_give_the_same_result(ctx_len):
+    """The same chunk under a bound it fits (one call) and one it does not (tiles): equal rows."""
+    ctx_lens, query_lens, seq_len = [ctx_len], [512], 512
+    bias, ctx_slots = chunk_bias(ctx_lens, query_lens, seq_len, sliding=False)
+    q, k, v = tensors(1, 2, 1, seq_len, ctx_slots + seq_len, 8)
+    one, tiles = Recorder(8**-0.5), Recorder(8**-0.5)
+    whole = pa.prefill_attention(q, k, v, bias, one, q_tile=128, ws_gib=bound_for(seq_len, q, k))
+    tiled = pa.prefill_attention(q, k, v, bias, tiles, q_tile=128, ws_gib=bound_for(128, q, k))
+    assert len(one.calls) == 1 and len(tiles.calls) == 4
+    assert_rows_match(tiled, whole, query_lens)
 
 
 def test_the_bias_plane_limit_holds_under_a_loose_bound():

@@ -87,6 +87,16 @@ def test_no_page_names_an_old_path(page):
 
 @pytest.mark.parametrize("page", [GUIDE, *(RUNTIME / room / "README.md" for room in ROOMS)],
                          ids=lambda p: str(p.relative_to(REPO)))
-def test_every_file_a_page_links_exists(page):
-    linked = set(re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()))
-    assert sorted(p for p in linked if not (page.parent / p).exists()) == []
+def test_every_file_and_heading_a_page_links_exists(page):
+    links = re.findall(r"\]\(([^)#:]*)(?:#([^)]*))?\)", page.read_text())
+    assert sorted(p for p, _ in links if p and not (page.parent / p).exists()) == []
+    for path, anchor in links:
+        if anchor:
+            target = (page.parent / path) if path else page
+            assert anchor in slugs(target.read_text()), (path, anchor)
+
+
+def slugs(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings."""
+    heads = re.findall(r"^#+ (.+)$", markdown, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}

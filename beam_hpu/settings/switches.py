@@ -99,126 +99,71 @@ SWITCHES: dict[str, Switch] = _switches(
         "0",
         parse_bool,
         "Rounding of the dynamic per-token FP8 activation quantisation "
-        "(beam_hpu.quant.rounding.per_token_fp8). 1: as the per-token FP8 reference rounds: "
-        "scale = amax / FP8 max in fp32, x / scale, rounded to nearest, ties to even. 0: as "
-        "vllm-gaudi's dynamic_quant on the device, what the recipe runs: scale = (amax + 1e-8) / "
-        "FP8 max computed in the activation's dtype (with bf16 activations a bf16 scale), x times "
-        "the reciprocal of the scale, rounded to nearest even, saturated at the FP8 max. Read on "
-        "CPU, where the range is 448, by the portable FP8 experts and, through the runtime patch "
-        "cpu-fp8-dense-rounding, by vLLM-CPU's dense FP8 linears; the live perplexity reference "
-        "(beam_hpu.gates.perplexity) rounds in the mode set where it runs, to compare like with "
-        "like. On HPU, for model type beam, through the port patch beam-exact-rounding "
-        "(beam_hpu.runtime.fp8.hpu_exact_rounding, read once per layer at load): with 1 the dense FP8 linears "
-        "and the input of the fused FP8 experts quantise in the reference's rounding in vllm-gaudi's "
-        "FP8 range (240 on Gaudi 2, 448 on Gaudi 3); the experts' down projection input is "
-        "quantised inside the fused MoE kernel and keeps the kernel's rounding. With 0, or any "
-        "other model, vllm-gaudi's dynamic_quant runs unchanged.",
+        "(beam_hpu.quant.rounding.per_token_fp8). 1: as the per-token FP8 reference rounds: scale "
+        "= amax / FP8 max in fp32, x / scale, to nearest, ties to even. 0: as vllm-gaudi's "
+        "dynamic_quant, what the recipe runs: scale = (amax + 1e-8) / FP8 max in the activation's "
+        "dtype, x times the scale's reciprocal, to nearest even, saturated. Readers and limits: "
+        "beam_hpu/runtime/fp8/README.md.",
     ),
     Switch(
         "BEAM_PREFILL_INFLIGHT",
         "1",
         parse_bool,
-        "Whether running decodes stay in flight while a prompt prefills. With 1 (runtime patch "
-        "prefill-inflight, beam_hpu.runtime.prefill.inflight) the scheduler of an engine serving "
-        "Beam (model_type beam; any other model keeps vLLM's order) takes its running "
-        "requests decodes first, then those still prefilling, before every step: every running "
-        "decode gets its token in each step that carries a prefill chunk (the chunk takes the "
-        "budget left over), and when KV blocks run out the scheduler frees a prefilling request "
-        "(the newest first; a prompt that cannot grow frees its own blocks and waits to be "
-        "recomputed) before it preempts a decode, so the prompt, not the decodes, pays for a full "
-        "pool. 0 keeps vLLM's admission order, in which a prompt admitted before some decodes "
-        "(in vLLM 0.30.0 when --long-prefill-token-threshold caps its chunks) takes the budget "
-        "first and preempts those decodes to grow; decodes already running when the prompt "
-        "arrives, as in the stress gate, stand before it either way. Under --scheduling-policy "
-        "priority victims go by priority and only the order of the budget holds. vllm-gaudi's "
-        "runner runs whatever a step carries (its prefills one by one, then its decodes), so the "
-        "choice is the scheduler's, on HPU and CPU alike.",
+        "Whether running decodes stay in flight while a prompt prefills. 1 (runtime patch "
+        "prefill-inflight, for an engine serving Beam): running decodes are scheduled first, so "
+        "each gets its token in every step that carries a prefill chunk, and the prompt, not the "
+        "decodes, pays for a full KV pool. 0: vLLM's admission order, in which an "
+        "earlier-admitted prompt takes the budget first and preempts decodes to grow.",
     ),
     Switch(
         "BEAM_FSDPA_WS_GIB",
         "2",
         parse_gib,
-        "Upper bound, in GiB per card, on the workspace of one FusedSDPA call in Beam's prompt "
-        "attention with cached context (a prefill chunk after cached tokens: chunked prefill, "
-        "prefix-cache hits), modelled as the fp32 scores of every query head plus the bf16 bias "
-        "tile (beam_hpu.runtime.prefill.hpu_fsdpa_tiles.workspace_bytes). The port patch beam-fsdpa-tiles "
-        "makes the stock single call wherever it fits the bound and keeps its bias plane under "
-        "2**31 bytes (at TP 8, a 4,096-token chunk over up to 16,000 cached tokens under 2 GiB); only "
-        "a chunk that does not fit is computed in query tiles of BEAM_FSDPA_Q_TILE rows, fewer (the "
-        "most that fit, in steps of 128 rows when one step fits) when such a tile would not fit; "
-        "each tile attends only the keys its rows can see (causal; on sliding layers the window). "
-        "0 removes the bound and the tiling: one call per chunk, as "
-        "stock vllm-gaudi; prompts with 32K or more tokens of cached context then grow the "
-        "workspace past the free device memory (NaN logits or a dead engine), so the port refuses "
-        "0 with --max-model-len of 32768 or more. Prefill without cached context, decode and other "
-        "models are not affected.",
+        "Upper bound, in GiB per card, on the modelled workspace of one FusedSDPA call in Beam's "
+        "prompt attention with cached context (chunked prefill, prefix-cache hits); the port "
+        "patch beam-fsdpa-tiles makes the stock single call where it fits and splits only a chunk "
+        "that does not into query tiles under it. 0: no bound, one call per chunk as stock "
+        "vllm-gaudi, refused with --max-model-len of 32768 or more. Other prefill, decode and "
+        "other models are not affected.",
     ),
     Switch(
         "BEAM_FSDPA_Q_TILE",
         "256",
         parse_q_tile,
         "Query rows per FusedSDPA call in Beam's prompt attention with cached context (port patch "
-        "beam-fsdpa-tiles) for a chunk whose single call does not fit BEAM_FSDPA_WS_GIB (not 0); "
-        "a chunk that fits is one call whatever this says; a tile gets fewer rows when "
-        "BEAM_FSDPA_WS_GIB or FusedSDPA's bias-plane limit requires. FusedSDPA addresses each "
-        "query-by-key bias plane with a 32-bit byte offset, so a plane of 2**31 bytes or more "
-        "silently returns NaN: a 4,096-token chunk over 262,144 keys in bf16 is exactly 2**31 "
-        "bytes. 0: no fixed tile, the fewest tiles that fit; otherwise a "
-        "multiple of 128, the query bucket step, so every bucket splits into whole tiles. Ignored "
-        "when BEAM_FSDPA_WS_GIB=0 (one call per chunk).",
+        "beam-fsdpa-tiles) for a chunk whose single call does not fit BEAM_FSDPA_WS_GIB (not 0); a "
+        "tile gets fewer rows when that bound or FusedSDPA's bias-plane limit (2**31 bytes) "
+        "requires. 0: no fixed tile, the fewest tiles that fit; otherwise a multiple of 128, the "
+        "query bucket step, so every bucket splits into whole tiles.",
     ),
     Switch(
         "BEAM_GRAMMAR_DEVICE_MASK",
         "1",
         parse_bool,
         "Where structured-output steps apply xgrammar's packed token bitmask. 1: on the logits' "
-        "own device (beam_hpu.runtime.grammar.hpu_device_mask: the bitmask is copied to the device and "
-        "unpacked there, the logits never leave it). 0: vllm-gaudi's stock path, which copies "
-        "the logits to the host, applies xgrammar's CPU kernel and copies them back, a "
-        "device-to-host sync on every structured step; with "
-        "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT=1 every step with a chat request is one.",
+        "own device (port unit beam-grammar-device-mask); the logits never leave it. 0: "
+        "vllm-gaudi's stock path, a device-to-host round trip of the logits on every structured "
+        "step; with VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT=1 every step with a chat request is one.",
     ),
     Switch(
         "BEAM_MOE_GATHER",
         "1",
         parse_token_limit,
-        "The largest token count of a step whose routed FP8 experts take the gathered path "
-        "(beam_hpu.runtime.fp8.hpu_moe_gather); 0 = off. A step of T <= BEAM_MOE_GATHER tokens computes only "
-        "G = min(local experts, T x top-k) of the rank's experts, the ones the step routes to "
-        "(ascending ids, padded with unrouted ones that contribute exactly 0), from their FP8 "
-        "weights and per-channel scales, with the dense path's arithmetic: per-token FP8 "
-        "activations in the rounding BEAM_EXACT_ROUNDING names, SwiGLU, weighted sum in fp32. "
-        "On HPU, for model type beam, through the port patch beam-moe-gather "
-        "(HPUCompressedTensorsW8A8Fp8MoEMethod.apply_monolithic; read once per layer at load): "
-        "larger steps, and other models, call vllm-gaudi's fused mixture_of_experts op; T is the "
-        "bucketed token count, so each decode graph takes one path and none is added. On CPU the "
-        "portable FP8 experts read it the same way. The recipe's 1: batch-1 decode reads 8 of "
-        "the card's 32 experts per MoE layer; at 2 or more tokens the gathered experts' copy "
-        "costs more than it saves unless the graph compiler fuses the gather "
-        "(benchmarks/decode_model.py, a model, not a measurement).",
+        "The largest token count T of a step whose routed FP8 experts take the gathered path "
+        "(port unit beam-moe-gather on HPU, the portable experts on CPU); 0 = off. Such a step "
+        "computes only the G = min(local experts, T x top-k) experts it routes to; larger steps, "
+        "and other models, call vllm-gaudi's fused op. The recipe's 1: batch-1 decode reads 8 of "
+        "a card's 32 experts per MoE layer (a gain by a model, not measured).",
     ),
     Switch(
         "BEAM_WINDOW_KV",
         "0",
         parse_bool,
-        "1: a window-sized KV cache for Beam's 43 sliding-window layers on HPU "
-        "(beam_hpu.runtime.window_kv.hpu_cache): vllm-gaudi's runner gives each of them vLLM's "
-        "SlidingWindowSpec (window 512) instead of a full-attention spec, so vLLM's KV-cache "
-        "manager forms hybrid groups (1 full + 5 sliding), frees the blocks a window has left, "
-        "and a token costs the 9 full layers' K/V instead of 52 layers' (about 5.7x the KV "
-        "pool); the runner allocates 9 shared K/V buffers plus its pad block, one block table "
-        "per group, and hands the defragmenter each buffer once. 0: vllm-gaudi's stock cache, "
-        "full-context K/V for every layer. Beam only (model type beam; any other model keeps "
-        "the stock specs whatever it says). Read on HPU by the port unit beam-window-kv-cache "
-        "(HPUModelRunner.get_kv_cache_spec); three port units serve it together: "
-        "beam-window-kv-cache (the sliding specs, the shared buffers and pad block, one block "
-        "table per group in the InputBatch, the defragmenter each buffer once), "
-        "beam-window-kv-steps (_prepare_inputs builds every step kind once per group into a "
-        "GroupedMetadata: prefills, decodes, verify rows, DP dummies, warm-up requests; the "
-        "EAGLE draft reads the full group) and beam-window-kv-metadata (trim, "
-        "HpuModelAdapter.forward's process_metadata once per group into the forward context's "
-        "per-layer dict, the warm-up key per group). Off in the recipe until a card run "
-        "confirms it.",
+        "1: a window-sized KV cache for Beam's 43 sliding-window layers on HPU (the three port "
+        "units beam-window-kv-*): vLLM's KV-cache manager forms 1 full + 5 sliding groups, and a "
+        "token costs the 9 full layers' K/V instead of 52 layers' (about 5.7x the KV pool). 0: "
+        "vllm-gaudi's stock cache, full-context K/V for every layer. Beam only; off in the recipe "
+        "until a card run confirms it.",
     ),
     Switch(
         "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT",
@@ -229,8 +174,8 @@ SWITCHES: dict[str, Switch] = _switches(
         "requests without tools or a response_format; this is what keeps long agentic tool "
         "calls well formed. 0: only requests with a forced (required or named) or forbidden "
         "(none) tool choice, or an answer format, are constrained; free turns (tools with auto "
-        "included) are not, which frees them (the always-on grammar costs about 10% of aggregate "
-        "throughput at 8 to 16 concurrent chat requests). Same name and default as upstream "
+        "included) are not, which frees them: the always-on grammar costs about 10% of aggregate "
+        "throughput at 8 to 16 concurrent chat requests. Same name and default as upstream "
         "vLLM's Beam support.",
     ),
     Switch(

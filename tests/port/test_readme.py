@@ -1,5 +1,7 @@
 """ports/beam-1-0/README.md explains every switch (generated from beam_hpu.settings.switches, so it cannot
-drift), every fix and patch, and every flag and variable of the recipe's launch block."""
+drift), names every fix and patch with the room that describes it, and explains every flag and
+variable of the recipe's launch block; the rooms' generated sections (their units, the KV pool table)
+are current too."""
 
 from __future__ import annotations
 
@@ -26,8 +28,19 @@ def gen_readme():
 
 
 def test_generated_sections_are_current():
-    text = README.read_text()
-    assert gen_readme().render(text) == text, "run python3 ports/beam-1-0/gen_readme.py"
+    pages = gen_readme().page_sections()
+    assert README in pages and len(pages) > 1
+    for page, sections in pages.items():
+        text = page.read_text()
+        assert gen_readme().render(text, sections) == text, f"{page}: run python3 ports/beam-1-0/gen_readme.py"
+
+
+def test_the_kv_pool_table_is_serving_kv_capacity_s():
+    """The KV pool table (now in the window-KV room's README) is generated from serving.kv_capacity."""
+    from serving.kv_capacity import pool_table
+
+    page = REPO / "beam_hpu/runtime/window_kv/README.md"
+    assert "<!-- generated:kv-pools -->\n" + "\n".join(pool_table()) + "\n<!-- end:kv-pools -->" in page.read_text()
 
 
 def test_a_changed_switch_description_makes_the_readme_stale(monkeypatch):
@@ -41,12 +54,25 @@ def test_a_changed_switch_description_makes_the_readme_stale(monkeypatch):
 
 def test_every_switch_and_fix_is_described():
     text = README.read_text()
+    flat = " ".join(text.split())  # the generated list wraps its lines
     for switch in envs.SWITCHES.values():
-        assert f"**`{switch.name}`** (default `{switch.default}`): {switch.description}" in text
+        assert f"**`{switch.name}`** (default `{switch.default}`): {' '.join(switch.description.split())}" in flat
     from fixes.profile import load_profile
 
-    for unit in load_profile("port-beam-1-0").fixes:
-        assert f"| `{unit.name}` (" in text
+    fixes = text[text.index("<!-- generated:fixes -->"):text.index("<!-- end:fixes -->")]
+    port = load_profile("port-beam-1-0")
+    base = {u.name for u in port.base.fixes}
+    for unit in port.fixes:
+        assert f"`{unit.name}`" in fixes, unit.name
+        if unit.name in base:
+            continue
+        # A port unit: named in its room's row, and its why, scope and removal condition on the room's page.
+        room = unit.source.parent.name
+        row = next(line for line in fixes.splitlines() if f"runtime/{room}/README.md" in line)
+        assert f"`{unit.name}`" in row, (unit.name, room)
+        page = " ".join((unit.source.parent / "README.md").read_text().split())
+        for said in (unit.scope, unit.remove_when):
+            assert " ".join(said.split()).replace("|", "\\|") in page, (unit.name, said[:60])
 
 
 def launch_blocks() -> list[str]:

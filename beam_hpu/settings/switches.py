@@ -147,13 +147,14 @@ SWITCHES: dict[str, Switch] = _switches(
     ),
     Switch(
         "BEAM_MOE_GATHER",
-        "1",
+        "0",
         parse_token_limit,
         "The largest token count T of a step whose routed FP8 experts take the gathered path "
         "(port unit beam-moe-gather on HPU, the portable experts on CPU); 0 = off. Such a step "
         "computes only the G = min(local experts, T x top-k) experts it routes to; larger steps, "
-        "and other models, call vllm-gaudi's fused op. The recipe's 1: batch-1 decode reads 8 of "
-        "a card's 32 experts per MoE layer (a gain by a model, not measured).",
+        "and other models, call vllm-gaudi's fused op. Off in the recipe (its gain is a model, not "
+        "measured); 1, the opt-in serving/launch-moe-gather.sh: batch-1 decode reads 8 of a card's "
+        "32 experts per MoE layer.",
     ),
     Switch(
         "BEAM_WINDOW_KV",

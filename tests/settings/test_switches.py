@@ -42,7 +42,7 @@ def test_defaults_parse_and_are_what_the_recipe_sets():
         "BEAM_FSDPA_WS_GIB": 2.0,
         "BEAM_FSDPA_Q_TILE": 256,
         "BEAM_GRAMMAR_DEVICE_MASK": True,
-        "BEAM_MOE_GATHER": 1,
+        "BEAM_MOE_GATHER": 0,
         "BEAM_WINDOW_KV": False,
         "VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT": True,
         "VLLM_BEAM_STREAM_TOOL_ARGS": True,

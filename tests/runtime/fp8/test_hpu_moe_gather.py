@@ -246,7 +246,8 @@ def test_which_steps_take_the_gathered_path():
 
 @pytest.mark.parametrize("model_type,static,block,env,limit", [
     ("beam", False, False, {"BEAM_MOE_GATHER": "4"}, 4),
-    ("beam", False, False, {}, 1),  # the recipe's default
+    ("beam", False, False, {}, 0),  # the default: off, vllm-gaudi's fused op (the recipe's value)
+    ("beam", False, False, {"BEAM_MOE_GATHER": "1"}, 1),  # the opt-in variant
     ("beam", False, False, {"BEAM_MOE_GATHER": "0"}, 0),
     ("llama", False, False, {"BEAM_MOE_GATHER": "4"}, 0),
     ("beam", True, False, {"BEAM_MOE_GATHER": "4"}, 0),  # static input scales: not Beam's scheme
@@ -257,7 +258,7 @@ def test_hpu_layers_gather_only_for_beams_scheme(model_type, static, block, env,
 
 
 def test_hpu_layer_without_a_model_type_keeps_the_stock_op():
-    # On by default, so it must not refuse (or change) a load it cannot attribute to Beam.
+    # Turned on, it must not refuse (or change) a load it cannot attribute to Beam.
     assert moe_gather.hpu_gather_limit(None, False, False, {"BEAM_MOE_GATHER": "1"}) == 0
     with pytest.raises(SwitchError, match="BEAM_MOE_GATHER"):  # still validated
         moe_gather.hpu_gather_limit(None, False, False, {"BEAM_MOE_GATHER": "x"})

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from beam_hpu.quant.rounding import FP8_E4M3FN_MAX, GAUDI2_FP8_MAX, per_token_fp8
-from tests.support.gaudi.tree import TINY_BEAM, port_tree, run_stubbed
+from tests.support.gaudi.tree import TINY_BEAM, run_stubbed, stock_and_port
 
 pytestmark = pytest.mark.gaudi_tree
 MODELS = ("beam", "llama")
@@ -123,7 +123,7 @@ def quantise_on(root: Path, out: Path, gaudi2: bool = True) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("exact-rounding")
-    stock, port = (port_tree(tmp / name, port=name == "port").root for name in ("stock", "port"))
+    stock, port = stock_and_port(tmp)
     return {"stock": quantise_on(stock, tmp / "stock.pt"), "port": quantise_on(port, tmp / "port.pt"),
             "port gaudi3": quantise_on(port, tmp / "port-g3.pt", gaudi2=False)}
 

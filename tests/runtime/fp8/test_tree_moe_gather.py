@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.gaudi.tree import TINY_BEAM, port_tree, run_stubbed
+from tests.support.gaudi.tree import TINY_BEAM, run_stubbed, stock_and_port
 
 pytestmark = pytest.mark.gaudi_tree
 
@@ -135,7 +135,7 @@ def run_on(root: Path, out: Path, models=("beam", "llama")) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe-gather")
-    stock, port = (port_tree(tmp / name, port=name == "port").root for name in ("stock", "port"))
+    stock, port = stock_and_port(tmp)
     return {"stock": run_on(stock, tmp / "stock.pt"), "port": run_on(port, tmp / "port.pt")}
 
 

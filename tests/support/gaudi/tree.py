@@ -79,6 +79,11 @@ def port_tree(dst: Path, port: bool = True, without: tuple[str, ...] = ()) -> Si
     return SimpleNamespace(root=root, port=port and not without, runner=root / RUNNER)
 
 
+def stock_and_port(dst: Path) -> tuple[Path, Path]:
+    """The roots of two copies under `dst`: the v0.30.0 fixes only ("stock"), and the whole port."""
+    return port_tree(dst / "stock", port=False).root, port_tree(dst / "port").root
+
+
 def port_tree_fixture(scope: str = "function", params: tuple[str, str] = ("v0.30.0 only", "port")):
     """A module's `tree` fixture: the tree without the port's units (params[0]), then with them."""
 

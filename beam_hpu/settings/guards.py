@@ -78,7 +78,7 @@ def merged_prefill(launch: Launch) -> list[str]:
     value = launch.env.get(MERGED_PREFILL_ENV)
     if value is None or value.lower() not in VLLM_GAUDI_TRUE:
         return []
-    # tests/fixes/test_window_kv_tree_e2e.py::test_merged_prefill_through_the_three_units counts it.
+    # tests/runtime/window_kv/test_tree_e2e.py::test_merged_prefill_through_the_three_units counts it.
     return [f"{MERGED_PREFILL_ENV}={value}: vllm-gaudi's merged prefill is not exact with Beam's interleaved "
             "sliding windows (BEAM_WINDOW_KV on or off): in a merged batch the sliding-window mask lets a "
             "request's first tokens attend the previous request's last tokens, and a prompt with cached "

@@ -207,7 +207,7 @@ def test_drafts_the_grammar_forbids_are_never_emitted(runs):
     End to end only: vLLM's scheduler trims each draft to its grammar-valid prefix before the
     step, so here the verifier never meets the forbidden draft and this passes even with a
     verifier that ignored the grammar. The verifier itself, given a forbidden draft directly, is
-    tests/runtime/speculative/test_grammar_forbidden_draft.py (CPU) and tests/fixes/test_port_grammar_verify.py
+    tests/runtime/speculative/test_grammar_forbidden_draft.py (CPU) and tests/runtime/speculative/test_tree_grammar_verify.py
     (vllm-gaudi's verify step)."""
     from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as propose
 

@@ -10,21 +10,17 @@ nothing was written.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from fix_trees import tree_digest
 
 from fixes import apply_all
 from fixes.engine import EXIT_IMAGE, EXIT_NOT_APPLIED, EXIT_REFUSED, run
 from fixes.explain import CLOSE, explain
 from fixes.profile import load_profile
+from tests.support.gaudi.fix_trees import tree_digest
+from tests.support.gaudi.tree import copy_tree
 
-GAUDI_ROOT = os.environ.get("GAUDI_FIXES_ROOT")
-needs_gaudi = pytest.mark.skipif(
-    not GAUDI_ROOT, reason="GAUDI_FIXES_ROOT is unset: it names a vllm-gaudi checkout "
-    "(public main for the stand-in profile v0.30.0-public-main) to drift real anchors in")
 
 # ------------------------------------------------------------------ the synthetic package
 
@@ -238,8 +234,6 @@ GAUDI_EDIT = 4  # `mask = mask >= block_usage.unsqueeze(-1)` in _set_block_mappi
 
 @pytest.fixture
 def gaudi(tmp_path):
-    from test_fixes_gaudi import copy_tree  # noqa: PLC0415  (imports need the tree's env)
-
     root, checkouts = copy_tree(tmp_path / "site")
     unit = next(u for u in load_profile(GAUDI_PROFILE).fixes if u.name == GAUDI_FIX)
     edit = unit.edits[GAUDI_EDIT - 1]
@@ -255,7 +249,7 @@ def gaudi_explain(root: Path, checkouts) -> list:
             for r in report.refused_edits]
 
 
-@needs_gaudi
+@pytest.mark.gaudi_tree
 def test_gaudi_edited_anchor(gaudi):
     root, checkouts, edit, path = gaudi
     text = path.read_text()
@@ -273,7 +267,7 @@ def test_gaudi_edited_anchor(gaudi):
     assert tree_digest(root) == before
 
 
-@needs_gaudi
+@pytest.mark.gaudi_tree
 def test_gaudi_moved_anchor(gaudi):
     root, checkouts, edit, path = gaudi
     path.write_text(path.read_text().replace(edit.anchor, "\n        mask = _moved(mask, block_usage)\n"))
@@ -287,7 +281,7 @@ def test_gaudi_moved_anchor(gaudi):
     assert "anchor moved to vllm_gaudi/extension/utils.py" in found.summary()
 
 
-@needs_gaudi
+@pytest.mark.gaudi_tree
 def test_gaudi_duplicated_anchor(gaudi):
     root, checkouts, edit, path = gaudi
     text = path.read_text() + "\n\nif 0:\n\n    def _copy(mask, block_usage):" + edit.anchor
@@ -300,7 +294,7 @@ def test_gaudi_duplicated_anchor(gaudi):
     assert f"anchor found 2 times: {edit.file}:{first} (in " in found.summary()
 
 
-@needs_gaudi
+@pytest.mark.gaudi_tree
 def test_gaudi_deleted_anchor(gaudi):
     root, checkouts, edit, path = gaudi
     path.write_text(path.read_text().replace(edit.anchor, "\n"))

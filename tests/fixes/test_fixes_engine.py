@@ -6,10 +6,10 @@ import json
 import os
 
 import pytest
-from fix_trees import VLLM_FIXES, apply_all, tree_digest
 
 import fixes.transaction as transaction
 from fixes.engine import (EXIT_IMAGE, EXIT_NOT_APPLIED, EXIT_OK, EXIT_REFUSED, STAMP_NAME, run)
+from tests.support.gaudi.fix_trees import VLLM_FIXES, apply_all, tree_digest
 from fixes.profile import load_profile
 
 DETOK = "vllm/tokenizers/detokenizer_utils.py"

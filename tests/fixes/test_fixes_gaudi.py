@@ -8,48 +8,15 @@ stand-in profile v0.30.0-public-main).
 from __future__ import annotations
 
 import ast
-import os
-import shutil
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
-from fix_trees import tree_digest
 
 from fixes.engine import EXIT_OK, run
-from tests.support.gaudi_tree import MISSING
 from fixes.profile import load_profile
+from tests.support.gaudi.fix_trees import tree_digest
+from tests.support.gaudi.tree import PROFILE, apply_fixes, copy_tree, gaudi_units, run_stubbed
 
-HERE = Path(__file__).resolve().parent
-ROOT_ENV = os.environ.get("GAUDI_FIXES_ROOT")
-PROFILE = os.environ.get("GAUDI_FIXES_PROFILE", "v0.30.0-public-main")
-
-pytestmark = pytest.mark.skipif(not ROOT_ENV, reason=MISSING)
-
-
-def gaudi_fixes() -> list[str]:
-    return [u.name for u in load_profile(PROFILE).fixes if u.package == "vllm_gaudi" and u.edits]
-
-
-def copy_tree(dst: Path) -> tuple[Path, dict[str, str]]:
-    """(temp root holding a copy of vllm_gaudi/, the --checkout the commit is read from)."""
-    src = Path(ROOT_ENV)
-    if not (src / "vllm_gaudi" / "__init__.py").is_file():
-        pytest.fail(f"GAUDI_FIXES_ROOT={src} has no vllm_gaudi/ package")
-    shutil.copytree(src / "vllm_gaudi", dst / "vllm_gaudi",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    checkout = {"vllm_gaudi": str(src)} if (src / ".git").exists() else {}
-    return dst, checkout
-
-
-def apply(root: Path, checkouts: dict[str, str], stock: bool = False):
-    if stock:
-        return None
-    report = run(load_profile(PROFILE), roots={"vllm_gaudi": str(root)}, checkouts=checkouts,
-                 only=gaudi_fixes())
-    return report
+pytestmark = pytest.mark.gaudi_tree
 
 
 @pytest.fixture
@@ -59,29 +26,19 @@ def gaudi_tree(tmp_path):
 
 def test_apply_twice_and_every_file_parses(gaudi_tree):
     root, checkouts = gaudi_tree
-    first = apply(root, checkouts)
+    first = apply_fixes(root, checkouts)
     assert first.exit_code == EXIT_OK, first.lines
     assert set(first.states.values()) == {"applied"}, first.lines
     for unit in load_profile(PROFILE).fixes:
         for rel in unit.files if unit.package == "vllm_gaudi" else []:
             ast.parse((root / rel).read_text())
     before = tree_digest(root)
-    second = apply(root, checkouts)
+    second = apply_fixes(root, checkouts)
     assert second.exit_code == EXIT_OK
     assert set(second.states.values()) == {"already applied"}, second.lines
     assert tree_digest(root) == before
     assert run(load_profile(PROFILE), roots={"vllm_gaudi": str(root)}, checkouts=checkouts,
-               only=gaudi_fixes(), check=True).exit_code == EXIT_OK
-
-
-def run_stubbed(root: Path, body: str) -> str:
-    """Run `body` in a fresh interpreter: Habana stubbed, `root` first on sys.path."""
-    script = "import sys\nsys.path[:0] = [%r, %r]\nimport habana_stub\nhabana_stub.install()\n" % (
-        str(root), str(HERE)) + textwrap.dedent(body)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=300, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stdout.strip().splitlines()[-1]  # vLLM may log to stdout before it
+               only=gaudi_units(load_profile(PROFILE)), check=True).exit_code == EXIT_OK
 
 
 MOE_CALL = """
@@ -130,7 +87,7 @@ print(forward(every, static=False), forward(every, static=True), forward(set(), 
 def test_moe_explicit_overload(gaudi_tree, stock):
     root, checkouts = gaudi_tree
     if not stock:
-        assert apply(root, checkouts).exit_code == EXIT_OK
+        assert apply_fixes(root, checkouts).exit_code == EXIT_OK
     out = run_stubbed(root, MOE_CALL % str(root))
     if stock:
         assert out == "['packet'] ['packet'] ['packet']"
@@ -160,7 +117,7 @@ def test_structured_output_rows_follow_the_logits(gaudi_tree, stock):
     mixed prompt+decode sampling step itself is not run on CPU here.)"""
     root, checkouts = gaudi_tree
     if not stock:
-        assert apply(root, checkouts).exit_code == EXIT_OK
+        assert apply_fixes(root, checkouts).exit_code == EXIT_OK
     rows, ids = so_branch_orders((root / "vllm_gaudi/v1/worker/hpu_model_runner.py").read_text())
     assert rows == ["decode", "prompt"]
     assert (ids == rows) is (not stock)

@@ -2,7 +2,7 @@
 
 Each test copies the GAUDI_FIXES_ROOT tree, applies the profile's vllm-gaudi fixes to the copy
 (or leaves it stock), and runs the function the fix changes, taken from the file itself
-(gaudi_source.py: public main does not import against vLLM 0.30.0, so nothing imports
+(tests/support/gaudi/source.py: public main does not import against vLLM 0.30.0, so nothing imports
 vllm_gaudi). Where a fix changes one line inside a long method, the statement holding it is
 run, or its place in the method is checked (said so in the test).
 """
@@ -14,19 +14,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from gaudi_source import PATCHES, RUNNER, calls_in_order, load, method_body_if, run_block
-from test_fixes_gaudi import apply, copy_tree, pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
 
 from fixes.engine import EXIT_OK
+from tests.support.gaudi.source import (PATCHES, RUNNER, RUNNER_CLS, HostTorch, calls_in_order, load, method_body_if,
+                                        run_block)
+from tests.support.gaudi.tree import apply_fixes, copy_tree
 
-RUNNER_CLS = "HPUModelRunner"
+pytestmark = pytest.mark.gaudi_tree
 
 
 @pytest.fixture(params=["stock", "patched"])
 def tree(request, tmp_path):
     root, checkouts = copy_tree(tmp_path / "site")
     if request.param == "patched":
-        assert apply(root, checkouts).exit_code == EXIT_OK
+        assert apply_fixes(root, checkouts).exit_code == EXIT_OK
     return SimpleNamespace(root=root, patched=request.param == "patched", runner=root / RUNNER,
                            patches=root / PATCHES)
 
@@ -72,17 +73,6 @@ def fake_apply_bitmask(logits, bitmask, indices=None):
         for v in range(logits.shape[1]):
             if not (int(bitmask[row, v // 32]) >> (v % 32)) & 1:
                 logits[row, v] = -math.inf
-
-
-class HostTorch:
-    """torch without pinned memory (the runner asks for it; a CPU-only torch has none)."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def tensor(*args, pin_memory=False, **kwargs):
-        return torch.tensor(*args, **kwargs)
 
 
 def grammar_rows(tree, batch_order, rows, grammar):

@@ -11,12 +11,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from fix_trees import VLLM_FIXES, installed_root, symlink_tree, vllm_target_files
-from tiny_llama import make_tiny_llama
 
 from fixes.engine import EXIT_OK, run
 from fixes.profile import load_profile
+from tests.support.gaudi.fix_trees import VLLM_FIXES, installed_root, symlink_tree, vllm_target_files
 from tests.support.parallel import engine_env, free_port
+from tests.support.tiny_llama import make_tiny_llama
 
 FAULT_RANK_ENV = "BEAM_FIXES_TEST_FAIL_RANK"
 # Fault injection for rank-exception-fatal, appended to the temp copy of the CPU worker only.

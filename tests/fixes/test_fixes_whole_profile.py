@@ -2,11 +2,14 @@
 all twelve fixes applied, then all twelve found already applied, through the CLI."""
 from __future__ import annotations
 
-from fix_trees import apply_all, tree_digest
-from test_fixes_gaudi import PROFILE, copy_tree, pytestmark  # noqa: F401  (skip without GAUDI_FIXES_ROOT)
+import pytest
 
 from fixes.engine import EXIT_OK
 from fixes.profile import load_profile
+from tests.support.gaudi.fix_trees import apply_all, tree_digest
+from tests.support.gaudi.tree import PROFILE, copy_tree
+
+pytestmark = pytest.mark.gaudi_tree
 
 
 def test_whole_profile_applies_all_twelve_then_finds_them_applied(vllm_tree, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.model.test_model_vs_oracle import prompts
+from tests.support.prompts import prompts
 from tests.support.engines import REPO, cpu_env
 
 pytestmark = pytest.mark.slow

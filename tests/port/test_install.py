@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixes.fix_trees import copy_package_files, installed_root, tree_digest, vllm_target_files
+from tests.support.gaudi.fix_trees import copy_package_files, installed_root, tree_digest, vllm_target_files
 
 REPO = Path(__file__).resolve().parents[2]
 GAUDI_ROOT = os.environ.get("GAUDI_FIXES_ROOT")

@@ -16,12 +16,7 @@ from beam_hpu.reference.in_memory import (
     prompt_logprobs,
     set_activation_quant,
 )
-
-PROMPTS = [
-    "the model reads a passage and writes an answer . we check each token of the output against the reference",
-    "hello world please think step by step then answer briefly . yes no true false",
-    '{"city": "Paris", "days": 2, "ok": true, "list": [1, 2, 3]} numbers 0 1 2 3 4 5 6 7 8 9 10 42 100',
-]
+from tests.support.prompts import PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,8 @@ import sys
 import pytest
 
 from beam_hpu.demo.serve import serve_command
-from beam_hpu.replicas.layout import POLICIES, RouterSettings, plan, router_command, router_executable
-
-
-def router_help() -> str:
-    return subprocess.run([router_executable(), "--help"], capture_output=True, text=True, check=True).stdout
+from beam_hpu.replicas.layout import POLICIES, RouterSettings, plan, router_command
+from tests.support.router import router_help
 
 
 def test_every_router_flag_and_policy_is_one_vllm_router_lists():

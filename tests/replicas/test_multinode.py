@@ -4,7 +4,7 @@ command uses only flags the installed `vllm-router` lists."""
 import re
 
 from beam_hpu.replicas.multinode import main, node_router_command
-from tests.replicas.test_layout import router_help
+from tests.support.router import router_help
 from tests.support.engines import REPO
 
 

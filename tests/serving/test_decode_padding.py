@@ -1,5 +1,5 @@
 """serving/decode_padding.py by hand on a small geometry, and its report on the committed files
-(the tree's own lookups and decode step agree with it: tests/fixes/test_port_verify_buckets.py)."""
+(the tree's own lookups and decode step agree with it: tests/runtime/speculative/test_tree_verify_buckets.py)."""
 
 from __future__ import annotations
 

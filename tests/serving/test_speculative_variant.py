@@ -56,8 +56,8 @@ def test_the_variant_runs_on_cpu():
 
 def test_the_variant_starts_on_hpu():
     # Beam's grammar steps verify their drafts through the port patch beam-grammar-verify
-    # (tests/fixes/test_port_grammar_verify.py), sampled rows through beam-sampled-verify
-    # (tests/fixes/test_port_sampled_verify.py); the variant turns async scheduling off.
+    # (tests/runtime/speculative/test_tree_grammar_verify.py), sampled rows through beam-sampled-verify
+    # (tests/runtime/speculative/test_tree_sampled_verify.py); the variant turns async scheduling off.
     assert startup_problems({}, variant_args(), device_type="hpu") == []
     check_startup({}, variant_args(), device_type="hpu")
 

@@ -42,7 +42,7 @@ def test_qkv_slice_mode_is_refused_whatever_its_value(value):
 @pytest.mark.parametrize("value, refused", [("1", True), ("true", True), ("On", True), ("Y", True),
                                              ("0", False), ("false", False), ("", False), ("2", False)])
 def test_merged_prefill_is_refused_when_vllm_gaudi_would_turn_it_on(value, refused):
-    # The spellings are vllm-gaudi's (tests/fixes/test_merged_prefill_guard_tree.py reads them off the tree).
+    # The spellings are vllm-gaudi's (tests/runtime/guards/test_tree_merged_prefill_guard.py reads them off the tree).
     problems = startup_problems({"VLLM_MERGED_PREFILL": value}, args(), device_type="hpu")
     assert bool(problems) == refused, problems
     if refused:

@@ -6,8 +6,8 @@
 3. `GAUDI_GIT`, a vllm-gaudi git directory (a clone, or a bare mirror with the commit): the
    091bbadd checkout is made from it into the cache once and reused.
 
-Without any of them the tests that need a tree skip and name what is missing
-(tests/fixes/test_fixes_gaudi.py); the README says how to get one.
+Without any of them the tests that need a tree (marked `gaudi_tree`) skip and name what is missing
+(tests/conftest.py); the README says how to get one.
 """
 
 from __future__ import annotations

@@ -97,3 +97,25 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def room(module: str, depth: int = 2) -> str:
     """`beam_hpu.reference.streamed` -> `beam_hpu.reference`; a top-level module is its own room."""
     return ".".join(module.split(".")[:depth])
+
+
+def is_test_module(name: str) -> bool:
+    """A module pytest collects or loads as a conftest: `test_*` or `conftest`, by its last part."""
+    last = name.rpartition(".")[2]
+    return last.startswith("test_") or last == "conftest"
+
+
+def imports_of_test_modules(tests_dir: Path) -> list[tuple[str, str]]:
+    """(file under tests_dir's parent, test module it imports) for every import of a test module or
+    conftest by any module under `tests_dir`: bare (`from test_x import y`, what pytest's rootdir
+    sys.path makes work), relative (`from .test_x import y`) or dotted (`import tests.a.test_b`,
+    `from tests.a import test_b`; a function named test_* imported from anywhere counts too: pytest
+    would collect it again in the importing module)."""
+    root = tests_dir.parent
+    found = []
+    for f in sorted(tests_dir.rglob("*.py")):
+        package = ".".join(f.parent.relative_to(root).parts)
+        for name in sorted(imported_names(f, package)):
+            if is_test_module(name):
+                found.append((str(f.relative_to(root)), name))
+    return found

@@ -29,15 +29,8 @@ Positions and columns are 0-based; column c of a table holds positions c*bs .. c
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-from beam_hpu.runtime.sliding_window.hpu_window import (
-    _check_geometry,
-    decode_window_blocks,
-    decode_window_tables,
-    prefill_window_context,
-    prefill_window_context_blocks,
-)
+from beam_hpu.runtime.sliding_window.hpu_window import _check_geometry
 
 # vLLM's BlockPool holds block 0 back as its null block: what freed sliding columns point at.
 NULL_BLOCK_ID = 0
@@ -116,92 +109,6 @@ def distinct_kv_caches(kv_caches: Sequence[tuple]) -> list[tuple]:
         if key not in seen:
             seen.add(key)
             out.append(cache)
-    return out
-
-
-def window_columns_live(table: Sequence[int], columns: range, null_block: int = NULL_BLOCK_ID) -> None:
-    """Raise unless every column in `columns` exists in `table` and holds a real block."""
-    if columns.start < 0 or columns.stop > len(table):
-        raise ValueError(f"columns {columns.start}..{columns.stop - 1} outside a table of {len(table)} blocks")
-    dead = [c for c in columns if table[c] == null_block]
-    if dead:
-        raise ValueError(f"columns {dead} hold the null block but the window reaches them")
-
-
-def group_slots(table: Sequence[int], positions: Sequence[int], block_size: int,
-                null_block: int = NULL_BLOCK_ID) -> list[int]:
-    """Slots (block_id * block_size + offset) where the keys at `positions` are written in a
-    group whose table is `table`. A position whose column is missing or freed is an error: a
-    write there would land in the null block or in another request's block."""
-    _check_geometry(1, block_size)
-    slots = []
-    for pos in positions:
-        col = pos // block_size
-        window_columns_live(table, range(col, col + 1), null_block)
-        slots.append(table[col] * block_size + pos % block_size)
-    return slots
-
-
-@dataclass(frozen=True)
-class GroupGeometry:
-    """What the runner needs to know about one KV-cache group: its window (None = full)."""
-
-    sliding_window: int | None
-
-
-def group_decode_tables(
-    tables: Sequence[Sequence[int]], positions: Sequence[int], geometry: GroupGeometry, block_size: int,
-    null_block: int = NULL_BLOCK_ID,
-) -> tuple[list[list[int]], list[int]]:
-    """One group's decode block tables and first in-window slots, for queries at `positions`.
-
-    `tables[b]` is request b's table in this group (at least through the block of its query).
-    A full group reads every block through the query's; a sliding group reads its exact window
-    (`window.decode_window_tables`), which must hold only live blocks. A negative position is a
-    padding row: empty table. Returns (tables, starts) in the swa-decode-window representation.
-    """
-    out_tables, starts = [], []
-    for table, pos in zip(tables, positions):
-        if pos < 0:
-            out_tables.append([])
-            starts.append(0)
-            continue
-        last = pos // block_size
-        if geometry.sliding_window is None:
-            window_columns_live(table, range(0, last + 1), null_block)
-            out_tables.append(list(table[:last + 1]))
-            starts.append(0)
-            continue
-        window_columns_live(table, decode_window_blocks(pos, geometry.sliding_window, block_size), null_block)
-        through = list(table[:last + 1])
-        (window_table,), (start,) = decode_window_tables(
-            [through], [[through[-1] * block_size + pos % block_size]], geometry.sliding_window, block_size)
-        out_tables.append(window_table)
-        starts.append(start)
-    return out_tables, starts
-
-
-def group_prefill_context(
-    tables: Sequence[Sequence[int]], ctx_lens: Sequence[int], geometry: GroupGeometry, block_size: int,
-    null_block: int = NULL_BLOCK_ID,
-) -> list[list[int]]:
-    """One group's context blocks for prefill chunks starting at `ctx_lens`: the whole context
-    for a full group, the window-trimmed context (`window.prefill_window_context`) for a sliding
-    group; every block returned must be live."""
-    out = []
-    for table, ctx in zip(tables, ctx_lens):
-        n_ctx_blocks = -(-int(ctx) // block_size)
-        if geometry.sliding_window is None:
-            columns = range(0, n_ctx_blocks)
-        else:
-            columns = prefill_window_context_blocks(int(ctx), geometry.sliding_window, block_size)
-        window_columns_live(table, columns, null_block)
-        if geometry.sliding_window is None:
-            out.append(list(table[:n_ctx_blocks]))
-        else:
-            (trimmed,), _ = prefill_window_context([list(table[:n_ctx_blocks])], [int(ctx)],
-                                                   geometry.sliding_window, block_size)
-            out.append(trimmed)
     return out
 
 

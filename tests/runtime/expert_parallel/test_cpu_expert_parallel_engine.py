@@ -27,7 +27,7 @@ import torch
 from beam_hpu.quant.fp8_checkpoint import BEAM_FP8_IGNORE, load_checkpoint_tensors, quantize_checkpoint
 from beam_hpu.tiny.checkpoint import CONDITIONED_POST_NORM_GAIN, write_tiny_checkpoint
 from tests.support.engines import max_abs_delta, mean_abs_delta, run_engine
-from tests.model.test_model_vs_oracle import prompts
+from tests.support.prompts import prompts
 
 pytestmark = pytest.mark.slow
 

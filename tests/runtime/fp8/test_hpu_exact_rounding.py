@@ -1,5 +1,5 @@
 """beam_hpu.runtime.fp8.hpu_exact_rounding: which per-token FP8 quantiser a Gaudi layer gets (port unit
-beam-exact-rounding; the patched tree itself runs in tests/fixes/test_port_exact_rounding.py)."""
+beam-exact-rounding; the patched tree itself runs in tests/runtime/fp8/test_tree_exact_rounding.py)."""
 
 import pytest
 import torch

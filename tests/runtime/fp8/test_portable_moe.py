@@ -6,21 +6,13 @@ import torch.nn.functional as F
 
 from beam_hpu.runtime.fp8.portable_moe import fp8_experts_forward, local_expert_ids
 from beam_hpu.reference.in_memory import fake_quant_per_token
-
-E, H, I, T, K = 6, 64, 32, 9, 2
-FP8 = torch.float8_e4m3fn
+from tests.support.moe_weights import FP8, E, H, I, K, T, fp8_weights
 
 
 def quant_per_token(x):
     """Per-token FP8 as (fp8 values, fp32 scale [T, 1]): absmax onto 448."""
     scale = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
     return (x.float() / scale).clamp(-448, 448).to(FP8), scale
-
-
-def fp8_weights(g, rows, cols):
-    w = torch.randn(E, rows, cols, generator=g) * cols**-0.5
-    scale = w.abs().amax(dim=-1, keepdim=True) / 448.0
-    return (w / scale).to(FP8), scale
 
 
 @pytest.fixture

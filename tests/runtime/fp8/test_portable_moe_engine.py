@@ -8,7 +8,7 @@ from beam_hpu.quant.metrics import perplexity_change
 from beam_hpu.reference.in_memory import load_oracle, load_reference, prompt_logprobs, set_activation_quant
 from tests.support.engines import run_engine
 
-from tests.reference.test_in_memory import PROMPTS
+from tests.support.prompts import PROMPTS
 
 def serve_prompt_logprobs(model, prompts, dtype) -> list[torch.Tensor]:
     # The plugin's register() installs the portable FP8 expert path in every engine process.

@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from beam_hpu.runtime.fp8.portable_moe import activation_quantiser, fp8_experts_forward
 from beam_hpu.quant.rounding import fake_quant_per_token
 from beam_hpu.settings.switches import SwitchError
-
-from .test_portable_moe import E, H, I, K, fp8_weights
+from tests.support.moe_weights import E, H, I, K, fp8_weights
 
 T = 6
 

@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("xgrammar")
 
 from beam_hpu.tiny.checkpoint import TRAINED_DIR  # noqa: E402
-from tests.runtime.speculative.test_rejection_sampling import sampling_metadata, spec_metadata  # noqa: E402
+from tests.support.spec_decode import sampling_metadata, spec_metadata  # noqa: E402
 
 K = 4
 ONLY_LIMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Lima"]}}, "required": ["city"],

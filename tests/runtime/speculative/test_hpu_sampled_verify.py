@@ -1,6 +1,6 @@
 """The plain functions of the Gaudi verify step with sampled rows (beam_hpu.runtime.speculative.hpu_sampled_verify):
 the padded layout's real draft slots, the drafts' target processing, and which requests it refuses.
-The step itself runs on the vllm-gaudi tree in tests/fixes/test_port_sampled_verify.py."""
+The step itself runs on the vllm-gaudi tree in tests/runtime/speculative/test_tree_sampled_verify.py."""
 
 from __future__ import annotations
 

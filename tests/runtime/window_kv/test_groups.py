@@ -1,4 +1,5 @@
-"""Window-sized KV rules (beam_hpu/runtime/window_kv/groups.py), checked two ways.
+"""Window-sized KV rules (beam_hpu/runtime/window_kv/groups.py, and the per-group read oracles of
+tests/support/window_kv/oracles.py the other window-KV tests rely on), checked two ways.
 
 Plain: against the exact-window definition (query i sees keys j with i - W < j <= i) and brute
 force, for several block sizes and windows that are and are not multiples of them.
@@ -20,6 +21,7 @@ import pytest
 
 from beam_hpu.runtime.sliding_window import hpu_window as win
 from beam_hpu.runtime.window_kv import groups as wkv
+from tests.support.window_kv import oracles as oracle
 
 # ------------------------------------------------------------------ plain rules
 
@@ -34,16 +36,11 @@ def test_layer_groups_and_shared_buffers():
 
 def test_group_slots_refuse_null_and_missing_columns():
     table = [0, 0, 7, 9]  # columns 0, 1 freed by the window
-    assert wkv.group_slots(table, [8, 11, 12, 15], 4) == [28, 31, 36, 39]
+    assert oracle.group_slots(table, [8, 11, 12, 15], 4) == [28, 31, 36, 39]
     with pytest.raises(ValueError, match="null block"):
-        wkv.group_slots(table, [7], 4)
+        oracle.group_slots(table, [7], 4)
     with pytest.raises(ValueError, match="outside a table"):
-        wkv.group_slots(table, [16], 4)
-
-
-def oracle_window(pos: int, window: int | None) -> set[int]:
-    lo = 0 if window is None else max(0, pos - window + 1)
-    return set(range(lo, pos + 1))
+        oracle.group_slots(table, [16], 4)
 
 
 def decode_read_positions(window_table_len: int, start: int, pos: int, window: int | None, bs: int) -> set[int]:
@@ -69,16 +66,16 @@ def test_group_decode_tables_exact_over_freed_columns(bs, window):
         ids = rng.sample(range(1, 10 * n_cols + 10), n_cols)
         # Freed columns hold the null block, as vLLM's sliding manager leaves them.
         table = [ids[c] if c >= live.start else wkv.NULL_BLOCK_ID for c in range(n_cols)]
-        (t,), (s,) = wkv.group_decode_tables([table], [pos], wkv.GroupGeometry(window), bs)
+        (t,), (s,) = oracle.group_decode_tables([table], [pos], oracle.GroupGeometry(window), bs)
         assert t == [table[c] for c in live]
-        assert decode_read_positions(len(t), s, pos, window, bs) == oracle_window(pos, window)
+        assert decode_read_positions(len(t), s, pos, window, bs) == set(oracle.window_positions(pos, window))
         assert len(t) <= win.window_block_count(window, bs)
-        (f,), (fs,) = wkv.group_decode_tables([ids], [pos], wkv.GroupGeometry(None), bs)
+        (f,), (fs,) = oracle.group_decode_tables([ids], [pos], oracle.GroupGeometry(None), bs)
         assert f == ids and fs == 0
         if live.start > 0:  # a full-attention read over the freed table reaches the null block
             with pytest.raises(ValueError, match="null block"):
-                wkv.group_decode_tables([table], [pos], wkv.GroupGeometry(None), bs)
-    assert wkv.group_decode_tables([[]], [-1], wkv.GroupGeometry(window), bs) == ([[]], [0])
+                oracle.group_decode_tables([table], [pos], oracle.GroupGeometry(None), bs)
+    assert oracle.group_decode_tables([[]], [-1], oracle.GroupGeometry(window), bs) == ([[]], [0])
 
 
 @pytest.mark.parametrize("bs,window", [(4, 8), (4, 7), (16, 40), (128, 512)])
@@ -87,10 +84,10 @@ def test_group_prefill_context_trims_to_live_blocks(bs, window):
         n_cols = -(-ctx // bs)
         reach = win.prefill_window_context_blocks(ctx, window, bs)
         table = [100 + c if c >= reach.start else wkv.NULL_BLOCK_ID for c in range(n_cols)] + [999]
-        (trimmed,) = wkv.group_prefill_context([table], [ctx], wkv.GroupGeometry(window), bs)
+        (trimmed,) = oracle.group_prefill_context([table], [ctx], oracle.GroupGeometry(window), bs)
         assert trimmed == [100 + c for c in reach]
         full_table = [100 + c for c in range(n_cols)]
-        assert wkv.group_prefill_context([full_table], [ctx], wkv.GroupGeometry(None), bs) == [full_table]
+        assert oracle.group_prefill_context([full_table], [ctx], oracle.GroupGeometry(None), bs) == [full_table]
 
 
 @pytest.mark.parametrize("bs,window", [(4, 8), (4, 7), (4, 5), (4, 1), (128, 512)])

@@ -4,9 +4,9 @@ Beam's 52 layers (9 full, 43 sliding by `config.layer_types`' rule) get specs fr
 `window_kv.window_kv_spec`; vLLM's `get_kv_cache_groups` / `get_kv_cache_config_from_groups`
 form the hybrid groups and their buffer layout, and vLLM's `KVCacheManager` allocates, frees,
 caches and reuses blocks while a scripted scheduler runs requests through every step kind. A
-simulated device store holds, per (buffer, slot), the identity of the key written there (layer,
-position, hash of the tokens through it: what the K/V depends on). Every read the rules produce
-must return the exact-window definition's keys with those identities.
+simulated device store (tests/support/window_kv/pool.py) holds, per (buffer, slot), the identity of
+the key written there (layer, position, the tokens through it: what the K/V depends on). Every
+read the rules produce must return the exact-window definition's keys with those identities.
 """
 
 from __future__ import annotations
@@ -20,45 +20,24 @@ import torch
 
 from beam_hpu.runtime.sliding_window import hpu_window as win
 from beam_hpu.runtime.window_kv import groups as wkv
+from tests.support.window_kv.configs import NUM_LAYERS, beam_kv_cache_config, beam_layer_windows, vllm_config
+from tests.support.window_kv.oracles import (
+    GroupGeometry,
+    group_decode_tables,
+    group_prefill_context,
+    group_slots,
+    window_positions,
+)
+from tests.support.window_kv.pool import KVPool
 
 pytest.importorskip("vllm")
-from vllm.config import VllmConfig  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
-    get_kv_cache_config_from_groups,
-    get_kv_cache_groups,
-    get_request_block_hasher,
-    init_none_hash,
-)
+from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-NUM_LAYERS = 52
 # The simulated pool: small enough that freed blocks come back within a run.
 NUM_BLOCKS = 120
-
-
-def beam_layer_windows(window: int) -> dict[str, int | None]:
-    # Beam-1.0's layer_types: full attention on every 6th layer and the last one.
-    return {f"model.layers.{i}.self_attn.attn": None if (i + 1) % 6 == 0 or i == NUM_LAYERS - 1 else window
-            for i in range(NUM_LAYERS)}
-
-
-def vllm_config() -> VllmConfig:
-    config = VllmConfig()
-    config.cache_config.kv_cache_layout = "LBHNC"  # vLLM's identity layout (the engine core resolves it)
-    return config
-
-
-def beam_kv_cache_config(bs: int, window: int, num_blocks: int, dtype=torch.bfloat16):
-    full = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=128, dtype=dtype)
-    specs = {name: wkv.window_kv_spec(full, w) for name, w in beam_layer_windows(window).items()}
-    config = vllm_config()
-    groups = get_kv_cache_groups(config, dict(specs))
-    bytes_per_block = max(len(g.layer_names) for g in groups) * full.page_size_bytes
-    return specs, get_kv_cache_config_from_groups(config, groups, num_blocks * bytes_per_block)
 
 
 def test_beam_specs_form_one_full_and_five_sliding_groups():
@@ -100,38 +79,18 @@ class Seq:
     furthest: int = -1  # the furthest position any step has scheduled
 
 
-class Store:
-    """What the device buffers hold: (buffer, slot) -> identity of the key written there."""
-
-    def __init__(self, groups: list[list[str]]):
-        self.buffer_of = {name: j for j, names in enumerate(wkv.shared_buffer_layers(groups)) for name in names}
-        self.cells: dict[tuple[int, int], tuple] = {}
-
-    def write(self, layer: str, slot: int, ident: tuple) -> None:
-        self.cells[(self.buffer_of[layer], slot)] = ident
-
-    def read(self, layer: str, slot: int):
-        return self.cells.get((self.buffer_of[layer], slot))
+def ident(pool: KVPool, layer: str, tokens: list[int], pos: int) -> int:
+    return int(pool.code(layer, tokens, pos))
 
 
-def ident(layer: str, tokens: list[int], pos: int) -> tuple:
-    return (layer, pos, hash(tuple(tokens[:pos + 1])))
-
-
-class Run:
+class Run(KVPool):
     def __init__(self, bs: int, window: int, num_blocks: int, seed: int, *, table_of_group=None):
-        self.bs, self.window = bs, window
-        _, self.kc = beam_kv_cache_config(bs, window, num_blocks)
-        self.groups = [g.layer_names for g in self.kc.kv_cache_groups]
-        self.geometry = [wkv.GroupGeometry(getattr(g.kv_cache_spec, "sliding_window", None))
-                         for g in self.kc.kv_cache_groups]
+        super().__init__(beam_kv_cache_config(bs, window, num_blocks)[1], bs, num_blocks, max_model_len=4096,
+                         caching=True)
+        self.window = window
+        self.geometry = [GroupGeometry(w) for w in self.windows]
         # Which group's table a group's layers read; the identity unless a test breaks it.
         self.table_of_group = table_of_group or list(range(len(self.groups)))
-        self.store = Store(self.groups)
-        init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(bs, sha256)
-        self.manager = KVCacheManager(self.kc, max_model_len=4096, scheduler_block_size=bs, hash_block_size=bs,
-                                      enable_caching=True)
         self.rng = random.Random(seed)
         self.kinds = defaultdict(int)
         self.reads = 0
@@ -152,10 +111,9 @@ class Run:
         tables = self.tables(seq)
         positions = list(range(start, start + n))
         for gid, names in enumerate(self.groups):
-            slots = wkv.group_slots(tables[gid], positions, self.bs)
+            slots = group_slots(tables[gid], positions, self.bs)
             for name in names:
-                for pos, slot in zip(positions, slots):
-                    self.store.write(name, slot, ident(name, tokens, pos))
+                self.write_slots(name, slots, tokens, positions)
         for gid, names in enumerate(self.groups):
             geom, table = self.geometry[gid], tables[self.table_of_group[gid]]
             if kind == "prefill":
@@ -174,10 +132,10 @@ class Run:
         self.kinds[kind] += 1
 
     def check_decode_row(self, names, geom, table, tokens, pos) -> None:
-        (t,), (s,) = wkv.group_decode_tables([table], [pos], geom, self.bs)
+        (t,), (s,) = group_decode_tables([table], [pos], geom, self.bs)
         first_col = 0 if geom.sliding_window is None else win.decode_window_blocks(pos, geom.sliding_window,
                                                                                     self.bs).start
-        expect_positions = sorted(win_keys(pos, geom.sliding_window))
+        expect_positions = sorted(window_positions(pos, geom.sliding_window))
         for name in names:
             got = []
             for k, block in enumerate(t):
@@ -185,12 +143,12 @@ class Run:
                     p = (first_col + k) * self.bs + o
                     if (k == 0 and o < s) or p > pos:
                         continue
-                    got.append(self.store.read(name, block * self.bs + o))
-            assert got == [ident(name, tokens, p) for p in expect_positions], (name, pos)
+                    got.append(int(self.cache(name)[block * self.bs + o]))
+            assert got == [ident(self, name, tokens, p) for p in expect_positions], (name, pos)
             self.reads += 1
 
     def check_prefill(self, names, geom, table, tokens, ctx, n) -> None:
-        (blocks,) = wkv.group_prefill_context([table], [ctx], geom, self.bs)
+        (blocks,) = group_prefill_context([table], [ctx], geom, self.bs)
         window = geom.sliding_window or (ctx + n)  # full attention: a window covering everything
         starts = win.prefill_window_block_starts([ctx], window, self.bs) if geom.sliding_window else [0]
         mask = win.prefill_window_mask([ctx], [n], window, self.bs, ctx_block_starts=starts,
@@ -201,11 +159,11 @@ class Run:
                 row = mask[i]
                 got = []
                 for key in torch.nonzero(row[:ctx_slots]).flatten().tolist():
-                    got.append(self.store.read(name, blocks[key // self.bs] * self.bs + key % self.bs))
+                    got.append(int(self.cache(name)[blocks[key // self.bs] * self.bs + key % self.bs]))
                 chunk_keys = [ctx + j for j in torch.nonzero(row[ctx_slots:]).flatten().tolist()]
-                got += [ident(name, tokens, p) for p in chunk_keys]  # the chunk's own keys, not from the cache
-                expect = sorted(win_keys(ctx + i, geom.sliding_window))
-                assert got == [ident(name, tokens, p) for p in expect], (name, ctx, i)
+                got += [ident(self, name, tokens, p) for p in chunk_keys]  # the chunk's own keys, not from the cache
+                expect = sorted(window_positions(ctx + i, geom.sliding_window))
+                assert got == [ident(self, name, tokens, p) for p in expect], (name, ctx, i)
             self.reads += 1
 
     # ---- a scripted scheduler over vLLM's manager
@@ -266,10 +224,6 @@ class Run:
     def emit(self, seq: Seq, new: list[int]) -> None:
         seq.tokens += new
         seq.req.append_output_token_ids(new)
-
-
-def win_keys(pos: int, window: int | None) -> range:
-    return range(0 if window is None else max(0, pos - window + 1), pos + 1)
 
 
 def drive(run: Run, steps: int) -> None:

@@ -11,7 +11,7 @@ import torch
 from beam_hpu.runtime.window_kv import groups as wkv
 from beam_hpu.runtime.window_kv import hpu_cache as wkc
 from beam_hpu.settings.switches import SwitchError
-from tests.runtime.window_kv.test_groups_vllm import beam_kv_cache_config, beam_layer_windows, vllm_config
+from tests.support.window_kv.configs import beam_kv_cache_config, beam_layer_windows, full_only_config, vllm_config
 
 pytest.importorskip("vllm")
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups  # noqa: E402
@@ -77,17 +77,10 @@ def test_profiled_as_attention_is_the_stock_rule_plus_sliding():
 
 # ---------------------------------------------------------------- groups and buffers
 
-def full_config(num_blocks: int = 50):
-    config = vllm_config()
-    specs = {name: FULL for name in beam_layer_windows(512)}
-    groups = get_kv_cache_groups(config, specs)
-    return get_kv_cache_config_from_groups(config, groups, num_blocks * 52 * FULL.page_size_bytes)
-
-
 def test_block_sizes_one_per_group_only_when_window_sized():
     _, kc = beam_kv_cache_config(BS, 512, num_blocks=50)
     assert wkc.window_kv_block_sizes(kc) == [BS] * 6
-    assert wkc.window_kv_block_sizes(full_config()) is None  # stock: one table, untouched
+    assert wkc.window_kv_block_sizes(full_only_config(BS, 50)) is None  # stock: one table, untouched
 
 
 def test_a_group_of_another_kind_is_refused():

@@ -10,27 +10,16 @@ import torch
 
 from beam_hpu.runtime.window_kv import hpu_steps as steps
 from beam_hpu.runtime.window_kv.groups import GroupedMetadata
+from tests.support.window_kv.configs import beam_kv_cache_config, full_only_config
 
 pytest.importorskip("vllm")
-from tests.runtime.window_kv.test_groups_vllm import beam_kv_cache_config, vllm_config  # noqa: E402
-
-
-def full_only_config():
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
-    specs = {f"model.layers.{i}.self_attn.attn": full for i in range(52)}
-    config = vllm_config()
-    groups = get_kv_cache_groups(config, specs)
-    return get_kv_cache_config_from_groups(config, groups, 10 * 52 * full.page_size_bytes)
 
 
 def test_no_sliding_group_builds_once():
     assert steps.step_groups(None, "beam") is None
     assert steps.step_groups(SimpleNamespace(kv_cache_groups=[]), "beam") is None
-    assert steps.step_groups(full_only_config(), "beam") is None  # the switch off: one full group
-    assert steps.step_groups(full_only_config(), "llama") is None
+    assert steps.step_groups(full_only_config(4, 10, head_size=8), "beam") is None  # the switch off: one full group
+    assert steps.step_groups(full_only_config(4, 10, head_size=8), "llama") is None
 
 
 def test_beams_window_groups_and_their_primary():

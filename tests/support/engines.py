@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from tests.support.parallel import engine_env
+from tests.support.reaper import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,12 +27,18 @@ def run_engine(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="aut
     with tempfile.TemporaryDirectory() as d:
         spec_path, out_path = Path(d, "spec.json"), Path(d, "out.json")
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "tests.support.engine_run", str(spec_path), str(out_path)],
-                              cwd=REPO, env=dict(cpu_env(tp), **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout)
+        # Its own process group, killed whole once it is done or late: an engine core or worker
+        # that outlived the runner (or ignored SIGTERM) must not outlive the test.
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.engine_run", str(spec_path), str(out_path)],
+                                cwd=REPO, env=dict(cpu_env(tp), **(env or {})), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+        finally:
+            stop_group(proc, timeout=10)
         if proc.returncode != 0:
             # vLLM logs worker tracebacks on stdout: keep both streams, whole, for the failure message.
-            raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stdout}")
+            raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{stdout}")
         return json.loads(out_path.read_text())["results"]
 
 

@@ -62,3 +62,15 @@ def max_abs_delta(a, b) -> float:
 def mean_abs_delta(a, b) -> float:
     d = [abs(x - y) for x, y in zip(a, b) if x is not None and y is not None]
     return sum(d) / len(d)
+
+
+def prompts(model_dir, n_random=200, seed=0) -> list[list[int]]:
+    """A random-token prompt many windows long and a prompt of real text from the tokenizer."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    rng = random.Random(seed)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text = "the model reads a passage and writes an answer . " * 12
+    return [[rng.randrange(8, len(tok)) for _ in range(n_random)], tok.encode(text)]

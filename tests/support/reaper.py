@@ -39,7 +39,9 @@ def become_subreaper() -> bool:
 def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
     """SIGTERM the process group led by `proc` (started with start_new_session=True), wait up to
     `timeout` for the leader, then SIGKILL the group whatever the leader did: a member that ignored
-    SIGTERM (an engine core) outlives its leader otherwise. Reaps the leader."""
+    SIGTERM (an engine core) outlives its leader otherwise. Reaps the leader, and the members
+    that, orphaned, were reparented to this process (a subreaper)."""
+    members = group_members(proc.pid)
     for sig in (signal.SIGTERM, signal.SIGCONT):  # SIGCONT: a stopped group holds SIGTERM
         try:
             os.killpg(proc.pid, sig)
@@ -54,6 +56,44 @@ def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    reap(members)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of group `pgid` but its leader."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != pgid and os.getpgid(p.pid) == pgid:
+                found.append(p.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return found
+
+
+def reap(pids: list[int], timeout: float = 10) -> None:
+    """Collect the exit status of those of `pids` that are this process's children (orphans
+    reparented here), once each has died: no Popen holds them, so nobody else would."""
+    end = time.monotonic() + timeout
+    for pid in pids:
+        while True:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                break  # not ours (or already collected)
+            if done or time.monotonic() >= end:
+                break
+            time.sleep(0.05)
+
+
+def reap_zombie_children() -> None:
+    """At the end of the session: collect every child that has exited (orphans reparented here)."""
+    for p in psutil.Process().children():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(p.pid, os.WNOHANG)
+        except (psutil.NoSuchProcess, ChildProcessError):
+            continue
 
 
 def kill_tree(pid: int, timeout: float = 30) -> None:
@@ -120,6 +160,8 @@ def reap_leftovers(root_pid: int, grace: float = 10.0, term_timeout: float = 10.
     found = leftovers(root_pid, grace)
     for pid, _ in found:
         kill_tree(pid, timeout=term_timeout)
+    if root_pid == os.getpid():
+        reap_zombie_children()
     if not found:
         return ""
     return "processes started by tests still alive at the end of the session (now killed):\n" + describe(found)

@@ -307,8 +307,8 @@ def run_soak(fleet: Fleet, supervisor: Supervisor, *, schedule: list[Fault], unf
              phase_timeout: float = 900.0, log=print) -> SoakResult:
     """`unfaulted_secs` / `tail_secs`: the least each phase lasts. `min_rounds`: the unfaulted phase
     goes on until every case of the mix has been answered that many times; `min_faulted_completed`:
-    the faulted phase's tail goes on until that many requests completed in it (each phase at most
-    `phase_timeout` seconds more). With them, what the phases hold does not depend on the host's
+    the faulted phase's tail goes on until that many requests completed in it (each of the two at
+    most `phase_timeout` seconds in all). With them, what the phases hold does not depend on the host's
     speed; a phase that still falls short shows in the counts."""
     mix = cases()
     url = fleet.layout.router_url

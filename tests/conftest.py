@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.support.gaudi_tree import MISSING, ensure_gaudi_fixes_root
+from tests.support.reaper import become_subreaper, reap_leftovers
 
 from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint, write_tiny_fp8_checkpoint
 from beam_hpu.tiny.checkpoint import CONDITIONED_POST_NORM_GAIN, write_tiny_checkpoint
@@ -20,6 +21,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # One worker per core (`-n 2`): a worker's own torch work (the transformers oracle, training
     # steps) stays on one thread instead of both workers contending for both cores.
     torch.set_num_threads(1)
+
+# An engine core orphaned by its API server's death stays below this process (each xdist worker,
+# or pytest alone), where the end-of-session check below finds it.
+become_subreaper()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_serving_process_left():
+    """At the end of the session (of each xdist worker: its own descendants), no vLLM engine, API
+    server, router or replica a test started may still be alive; any found is named, then killed."""
+    yield
+    problem = reap_leftovers(os.getpid(), grace=10)
+    if problem:
+        pytest.fail(problem, pytrace=False)
 
 
 def pytest_configure(config):

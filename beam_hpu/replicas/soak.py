@@ -116,6 +116,24 @@ class Load:
             t.start()
         return self
 
+    def rounds(self) -> int:
+        """How many times every case of the mix has been answered (the fewest of any case)."""
+        with self._lock:
+            seen = [o.case for o in self.outcomes]
+        return min(seen.count(c.name) for c in self.mix)
+
+    def completed(self) -> int:
+        with self._lock:
+            return sum(1 for o in self.outcomes if o.status == "completed")
+
+    def run_for(self, secs: float, enough: Callable[[], bool], timeout: float) -> None:
+        """Let the load run `secs`, then on until `enough()` holds or `timeout` seconds have passed
+        in all: a phase measured in answers, not in seconds, asserts the same on a slow host."""
+        start = time.monotonic()
+        time.sleep(secs)
+        while not enough() and time.monotonic() - start < timeout:
+            time.sleep(0.5)
+
     def stop(self) -> None:
         """Ask the clients to stop and wait for the request each has in hand (at most its deadline)."""
         self._stop.set()
@@ -285,7 +303,13 @@ def latency(outcomes: list[Outcome]) -> dict[str, float | None]:
 
 def run_soak(fleet: Fleet, supervisor: Supervisor, *, schedule: list[Fault], unfaulted_secs: float, tail_secs: float,
              clients: int, deadline: float, gap_secs: float, recover_timeout: float, metrics_url: str,
-             sample_secs: float = 2.0, log=print) -> SoakResult:
+             sample_secs: float = 2.0, min_rounds: int = 0, min_faulted_completed: int = 0,
+             phase_timeout: float = 900.0, log=print) -> SoakResult:
+    """`unfaulted_secs` / `tail_secs`: the least each phase lasts. `min_rounds`: the unfaulted phase
+    goes on until every case of the mix has been answered that many times; `min_faulted_completed`:
+    the faulted phase's tail goes on until that many requests completed in it (each of the two at
+    most `phase_timeout` seconds in all). With them, what the phases hold does not depend on the host's
+    speed; a phase that still falls short shows in the counts."""
     mix = cases()
     url = fleet.layout.router_url
     t0 = time.monotonic()
@@ -305,7 +329,7 @@ def run_soak(fleet: Fleet, supervisor: Supervisor, *, schedule: list[Fault], unf
 
     r0, t = router_counter(metrics_url, "vllm_router_retries_total"), time.monotonic()
     load = Load(url, mix, clients, deadline, "unfaulted").start()
-    time.sleep(unfaulted_secs)
+    load.run_for(unfaulted_secs, lambda: load.rounds() >= min_rounds, phase_timeout)
     load.stop()
     seconds["unfaulted"] = time.monotonic() - t
     retries["unfaulted"] = router_counter(metrics_url, "vllm_router_retries_total") - r0
@@ -328,7 +352,7 @@ def run_soak(fleet: Fleet, supervisor: Supervisor, *, schedule: list[Fault], unf
     for rec in runner.records:
         log(f"fault {rec.fault.kind} on replica {rec.fault.replica}: {rec.detail}; "
             f"recovered in {rec.recovery_secs if rec.recovery_secs is None else round(rec.recovery_secs, 1)}s")
-    time.sleep(tail_secs)
+    faulted.run_for(tail_secs, lambda: faulted.completed() >= min_faulted_completed, phase_timeout)
     faulted.stop()
     seconds["faulted"] = time.monotonic() - t
     retries["faulted"] = router_counter(metrics_url, "vllm_router_retries_total") - r0

@@ -18,6 +18,7 @@ import pytest
 
 from tests.support.engines import REPO
 from tests.support.parallel import SERVE_PORT_BASE, WORKER_PORT_SPAN, worker_index
+from tests.support.reaper import kill_tree
 
 pytestmark = pytest.mark.slow
 
@@ -128,6 +129,6 @@ def test_demo_replicas_serves_the_readme_request_and_stops_everything(tmp_path):
             time.sleep(0.5)
         assert not [p for p in started if alive(p)], "processes left after SIGTERM"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        # The demo's replicas and router run in sessions of their own: kill by tree, not by group.
+        kill_tree(proc.pid, timeout=30)
+        proc.wait()

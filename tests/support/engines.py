@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from tests.support.parallel import engine_env
+from tests.support.reaper import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,6 +19,19 @@ def cpu_env(tp: int = 1) -> dict:
     return dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(REPO), **engine_env(tp))
 
 
+def run_in_group(cmd: list[str], *, timeout: float, env: dict) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd)` from the repository, stdout and stderr together, in a process group of
+    its own that is killed whole once the command is done or late (then TimeoutExpired): an engine
+    core or worker that outlived its parent, or ignored SIGTERM, must not outlive the test."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    finally:
+        stop_group(proc, timeout=10)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
+
+
 def run_engine(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="auto", timeout=900, env=None,
                **kw) -> list:
     """Start one engine in a subprocess, run the jobs, return their results (see engine_run.py).
@@ -26,9 +40,8 @@ def run_engine(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="aut
     with tempfile.TemporaryDirectory() as d:
         spec_path, out_path = Path(d, "spec.json"), Path(d, "out.json")
         spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "tests.support.engine_run", str(spec_path), str(out_path)],
-                              cwd=REPO, env=dict(cpu_env(tp), **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout)
+        proc = run_in_group([sys.executable, "-m", "tests.support.engine_run", str(spec_path), str(out_path)],
+                            timeout=timeout, env=dict(cpu_env(tp), **(env or {})))
         if proc.returncode != 0:
             # vLLM logs worker tracebacks on stdout: keep both streams, whole, for the failure message.
             raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stdout}")

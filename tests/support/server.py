@@ -2,7 +2,6 @@
 waited for on /health, stopped (process group) at teardown."""
 
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ import httpx
 from beam_hpu.demo.serve import SERVED_NAME, serve_command, serve_env
 from tests.support.engines import REPO
 from tests.support.parallel import engine_env, free_port
+from tests.support.reaper import stop_group
 
 
 class Server:
@@ -37,6 +37,7 @@ class Server:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                self.stop()  # the leader's exit leaves its engine core behind otherwise
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_text()[-8000:]}")
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
@@ -48,7 +49,8 @@ class Server:
         raise TimeoutError(f"vllm serve not healthy after {timeout}s:\n{self.log_text()[-8000:]}")
 
     def log_text(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text(errors="replace")
 
     def healthy(self) -> bool:
@@ -58,11 +60,8 @@ class Server:
             return False
 
     def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+        """The whole process group, even when `vllm serve` itself has exited: its engine core may
+        have ignored SIGTERM (tests/support/reaper.py)."""
+        stop_group(self.proc, timeout=60)
+        if not self.log.closed:
+            self.log.close()

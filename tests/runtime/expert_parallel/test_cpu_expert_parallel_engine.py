@@ -80,21 +80,42 @@ def assert_each_rank_holds_only_its_experts(ranks, model_dir):
             assert info["w2_sums"] == pytest.approx(expected, rel=FINGERPRINT_REL, abs=FINGERPRINT_ABS), name
 
 
-def run_pair(model_dir, dtype, control=False):
+@pytest.fixture(scope="module")
+def tp2ep_runs():
+    """(checkpoint dir, dtype) -> its TP=2+EP engine's answers (see tp2ep_run), one engine each for
+    the module: the comparison with TP=1 and the mutation test read the same run."""
+    return {}
+
+
+def tp2ep_run(model_dir, dtype, cache) -> dict:
+    """One TP=2+EP engine: the prompts' logprobs, the expert inventory, then every layer's expert
+    map rolled by one (the mutation) and the prompts again. Returns {"logprobs", "inventory",
+    "changed_layers", "mutated"}; the mutation runs after everything the correct engine answers."""
+    key = (str(model_dir), dtype)
+    if key not in cache:
+        jobs = [{"prompt_logprobs": p} for p in prompts(model_dir)]
+        results = run_engine(model_dir, jobs + [{"experts": True}, {"mutate_expert_map": True}] + jobs, dtype=dtype,
+                             tp=2, ep=True, max_model_len=512)
+        n = len(jobs)
+        cache[key] = {"logprobs": results[:n], "inventory": results[n]["ranks"],
+                      "changed_layers": results[n + 1]["changed_layers"], "mutated": results[n + 2:]}
+    return cache[key]
+
+
+def run_pair(model_dir, dtype, cache, control=False):
     """TP=1 and TP=2+EP on the same prompts; with `control`, also TP=2 without EP. Returns
     ({run: (max, mean) |delta logprob| vs TP=1 over all positions}, TP=2+EP expert inventory)."""
     ps = prompts(model_dir)
     jobs = [{"prompt_logprobs": p} for p in ps]
     tp1 = run_engine(model_dir, jobs, dtype=dtype, max_model_len=512)
-    *tp2ep, inventory = run_engine(model_dir, jobs + [{"experts": True}], dtype=dtype, tp=2, ep=True,
-                                   max_model_len=512)
-    runs = {"tp2+ep": tp2ep}
+    ep = tp2ep_run(model_dir, dtype, cache)
+    runs = {"tp2+ep": ep["logprobs"]}
     if control:
         runs["tp2"] = run_engine(model_dir, jobs, dtype=dtype, tp=2, max_model_len=512)
     flat = lambda results: [x for r in results for x in r["prompt_logprobs"]]  # noqa: E731
     deltas = {name: (max_abs_delta(flat(tp1), flat(r)), mean_abs_delta(flat(tp1), flat(r))) for name, r in runs.items()}
     print(f"{model_dir.name} {dtype}: |delta logprob| vs TP1 (max, mean): {deltas}")
-    return deltas, inventory["ranks"]
+    return deltas, ep["inventory"]
 
 
 def assert_ep_adds_nothing_to_tp(deltas):
@@ -119,11 +140,11 @@ def fp8_experts_only(bf16_conditioned, tmp_path_factory):
     ("fp8_experts_only", "float32", "fp8-order", "float8_e4m3fn"),
     ("fp8_conditioned", "float32", "tp-control", "float8_e4m3fn"),
 ])
-def test_tp2_ep_matches_tp1(ckpt, dtype, bound, expert_weights, request):
+def test_tp2_ep_matches_tp1(ckpt, dtype, bound, expert_weights, request, tp2ep_runs):
     """`exact`: max |delta| <= 1e-4; `fp8-order`: the FP8 summation-order bound; `tp-control`:
     measured against a TP=2-without-EP control (docstring)."""
     model_dir = request.getfixturevalue(ckpt)
-    deltas, ranks = run_pair(model_dir, dtype, control=bound == "tp-control")
+    deltas, ranks = run_pair(model_dir, dtype, tp2ep_runs, control=bound == "tp-control")
     ep_max, ep_mean = deltas["tp2+ep"]
     if bound == "exact":
         assert ep_max <= 1e-4
@@ -149,18 +170,15 @@ def test_fingerprints_tell_experts_apart(ckpt, request):
 
 
 @pytest.mark.parametrize("ckpt,dtype", [("tiny_fp32", "float32"), ("fp8_conditioned", "float32")])
-def test_a_wrongly_mapped_expert_id_fails_these_bounds(ckpt, dtype, request):
-    """Mutation: the same TP=2+EP engine, before and after every layer's expert map is rolled by one
-    (each expert id mapped to the wrong expert). The deviation it causes breaks every bound above:
-    the 1e-4 max of the exact comparison, the 1e-3 mean of the FP8 one and the 0.05 mean of the
-    TP-controlled ones."""
+def test_a_wrongly_mapped_expert_id_fails_these_bounds(ckpt, dtype, request, tp2ep_runs):
+    """Mutation: the same TP=2+EP engine (the one test_tp2_ep_matches_tp1 compared with TP=1), before
+    and after every layer's expert map is rolled by one (each expert id mapped to the wrong expert).
+    The deviation it causes breaks every bound above: the 1e-4 max of the exact comparison, the
+    1e-3 mean of the FP8 one and the 0.05 mean of the TP-controlled ones."""
     model_dir = request.getfixturevalue(ckpt)
-    ps = prompts(model_dir)
-    jobs = [{"prompt_logprobs": p} for p in ps]
-    results = run_engine(model_dir, jobs + [{"mutate_expert_map": True}] + jobs, dtype=dtype, tp=2, ep=True,
-                         max_model_len=512)
-    before, mutation, after = results[:len(jobs)], results[len(jobs)], results[len(jobs) + 1:]
-    assert mutation["changed_layers"] == [MOE_LAYERS] * WORLD
+    run = tp2ep_run(model_dir, dtype, tp2ep_runs)
+    before, after = run["logprobs"], run["mutated"]
+    assert run["changed_layers"] == [MOE_LAYERS] * WORLD
     flat = lambda results: [x for r in results for x in r["prompt_logprobs"]]  # noqa: E731
     print(f"{model_dir.name}: rolled expert map vs correct: max {max_abs_delta(flat(before), flat(after))} "
           f"mean {mean_abs_delta(flat(before), flat(after))}")

@@ -10,21 +10,19 @@ Counted in scheduler steps, so the verdict does not depend on the host's speed.
 """
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.support.engines import REPO, cpu_env
+from tests.support.engines import cpu_env, run_in_group
 
 pytestmark = pytest.mark.slow
 
 
 def _measure(scenario, tmp_path):
     out = tmp_path / f"{scenario}.json"
-    proc = subprocess.run([sys.executable, "benchmarks/prefill_inflight.py", "--scenario", scenario, "--json", str(out)],
-                          cwd=REPO, env=cpu_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=1200)
+    proc = run_in_group([sys.executable, "benchmarks/prefill_inflight.py", "--scenario", scenario, "--json", str(out)],
+                        env=cpu_env(1), timeout=1200)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return json.loads(out.read_text())
 

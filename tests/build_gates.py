@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# Run as a script, this file's folder leads sys.path, and its test packages (tests/fixes) would
+# shadow the repository's own `fixes`.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 if str(REPO) not in sys.path:
     # Last, for `fixes` and `serving` (not installed): an installed beam_hpu is the one checked.
     sys.path.append(str(REPO))

@@ -6,24 +6,21 @@ attention layers into groups of equal size (9 full layers; 43 sliding layers in 
 the last padded), gives each group its own block table per request, and frees a sliding group's
 blocks once the window has left them, putting its null block (id 0) in their table columns.
 All groups share one pool of block ids: block b of buffer j is the K/V of the j-th layer of
-whichever group owns b now. So a runner serving it must
+whichever group owns b now. What the runner units take from here:
 
-- allocate one K/V buffer per group position j, shared by the j-th layer of every group
+- the spec each layer gets (`window_kv_spec`) and which windows are allocated (`allocation_windows`);
+- one K/V buffer per group position j, shared by the j-th layer of every group
   (`shared_buffer_layers`);
-- build slot mappings and block lists per group, from that group's table (`group_slots`,
-  `group_decode_tables`, `group_prefill_context`), and let each layer read its group's
-  (`layer_groups`);
-- never read or write a null or missing block for a key a query attends (`window_columns_live`);
-- hand vllm-gaudi's defragmenter each shared buffer once (`distinct_kv_caches`): it swaps block
-  contents in every cache it is given, and with prefix caching a swap is an exchange, so a buffer
-  listed twice (once per layer sharing it) is swapped back while the block ids stay remapped.
+- which group each layer reads (`layer_groups`) and the step's metadata per layer
+  (`GroupedMetadata`, its step-wide view being the `primary_group`'s);
+- each shared buffer handed once to vllm-gaudi's defragmenter (`distinct_kv_caches`): it swaps
+  block contents in every cache it is given, and with prefix caching a swap is an exchange, so a
+  buffer listed twice (once per layer sharing it) is swapped back while the block ids stay remapped.
 
 A sliding group's table keeps the logical column order (freed columns hold the null block), so
-`beam_hpu.runtime.sliding_window.hpu_window`'s exact-window functions apply to it unchanged; the functions below only add
-the per-group bookkeeping and the checks. Nothing here imports vLLM except `window_kv_spec`, which
-builds vLLM's spec object.
-
-Positions and columns are 0-based; column c of a table holds positions c*bs .. c*bs+bs-1.
+`beam_hpu.runtime.sliding_window.hpu_window`'s exact-window functions apply to it unchanged. The
+exact reads each group must give are checked by the oracles of tests/support/window_kv/oracles.py.
+Nothing here imports vLLM except `window_kv_spec`, which builds vLLM's spec object.
 """
 
 from __future__ import annotations
@@ -110,25 +107,6 @@ def distinct_kv_caches(kv_caches: Sequence[tuple]) -> list[tuple]:
             seen.add(key)
             out.append(cache)
     return out
-
-
-def sliding_blocks_bound(window: int, block_size: int, tokens_in_flight: int) -> int:
-    """The most blocks one request holds in a sliding group while `tokens_in_flight` of its
-    tokens are scheduled and not yet computed (with async scheduling: including the step whose
-    frees lag). The manager keeps the window behind the first of them (W - 1 keys) and the
-    in-flight tokens themselves: W - 2 + t consecutive positions after the first, which touch at
-    most ceil((W - 2 + t) / bs) + 1 blocks. One decode token gives `window.window_block_count`;
-    vLLM's admission cap (`SlidingWindowSpec.max_admission_blocks_per_request`,
-    ceil((W - 1 + t) / bs) + 1) is never below it."""
-    _check_geometry(window, block_size)
-    if tokens_in_flight < 1:
-        raise ValueError(f"at least one token is in flight, got {tokens_in_flight}")
-    return -(-(window - 2 + tokens_in_flight) // block_size) + 1
-
-
-def sliding_group_windows(group_specs: Mapping[int, int | None]) -> dict[int, GroupGeometry]:
-    """Group index -> its geometry, from each group's sliding window (None = full attention)."""
-    return {gid: GroupGeometry(window) for gid, window in group_specs.items()}
 
 
 class GroupedMetadata(dict):

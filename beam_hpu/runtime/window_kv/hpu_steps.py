@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from beam_hpu.names import MODEL_TYPE
+from beam_hpu.scope import is_beam_model_type
 from beam_hpu.runtime.window_kv.groups import GroupedMetadata, layer_groups, primary_group
 
 METADATA_FIELD = "attn_metadata"
@@ -57,8 +59,8 @@ def step_groups(kv_cache_config, model_type: str | None) -> StepGroups | None:
 
     if not any(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups):
         return None
-    if model_type != "beam":
-        raise ValueError(f"sliding-window KV-cache groups for model type {model_type!r}: only beam builds them")
+    if not is_beam_model_type(model_type):
+        raise ValueError(f"sliding-window KV-cache groups for model type {model_type!r}: only {MODEL_TYPE} builds them")
     other = [type(g.kv_cache_spec).__name__ for g in groups if not isinstance(g.kv_cache_spec, AttentionSpec)]
     if other:
         raise ValueError(f"a window-sized KV cache beside non-attention groups ({other}) is not served")

@@ -96,13 +96,20 @@ def shared_buffer_layers(group_layer_names: Sequence[Sequence[str]]) -> list[lis
     return [[names[j] for names in group_layer_names if j < len(names)] for j in range(width)]
 
 
+def tensor_root(t):
+    """The tensor `t` is a view of (itself when it is no view): what identifies a buffer on HPU.
+    Not its storage pointer: Habana's lazy tensors report a null one, and a lazy view gets a
+    storage of its own (beam_hpu/runtime/window_kv/README.md)."""
+    return t if t._base is None else t._base
+
+
 def distinct_kv_caches(kv_caches: Sequence[tuple]) -> list[tuple]:
     """The runner's per-layer (key, value, ...) caches with each shared buffer kept once (first
-    occurrence, by the key tensor's storage), for code that acts on every buffer once per step
+    occurrence, by the key tensor's root object), for code that acts on every buffer once per step
     (vllm-gaudi's OnlineDefragmenter swaps blocks in each cache it holds)."""
     seen, out = set(), []
     for cache in kv_caches:
-        key = cache[0].untyped_storage().data_ptr()
+        key = id(tensor_root(cache[0]))
         if key not in seen:
             seen.add(key)
             out.append(cache)

@@ -15,7 +15,9 @@ whichever group owns b now. What the runner units take from here:
   (`GroupedMetadata`, its step-wide view being the `primary_group`'s);
 - each shared buffer handed once to vllm-gaudi's defragmenter (`distinct_kv_caches`): it swaps
   block contents in every cache it is given, and with prefix caching a swap is an exchange, so a
-  buffer listed twice (once per layer sharing it) is swapped back while the block ids stay remapped.
+  buffer listed twice (once per layer sharing it) is swapped back while the block ids stay remapped;
+- the most blocks a request holds in a sliding group (`sliding_blocks_bound`), which
+  serving/kv_window.py reserves for prefills.
 
 A sliding group's table keeps the logical column order (freed columns hold the null block), so
 `beam_hpu.runtime.sliding_window.hpu_window`'s exact-window functions apply to it unchanged. The
@@ -114,6 +116,20 @@ def distinct_kv_caches(kv_caches: Sequence[tuple]) -> list[tuple]:
             seen.add(key)
             out.append(cache)
     return out
+
+
+def sliding_blocks_bound(window: int, block_size: int, tokens_in_flight: int) -> int:
+    """The most blocks one request holds in a sliding group while `tokens_in_flight` of its
+    tokens are scheduled and not yet computed (with async scheduling: including the step whose
+    frees lag). The manager keeps the window behind the first of them (W - 1 keys) and the
+    in-flight tokens themselves: W - 2 + t consecutive positions after the first, which touch at
+    most ceil((W - 2 + t) / bs) + 1 blocks. One decode token gives `window.window_block_count`;
+    vLLM's admission cap (`SlidingWindowSpec.max_admission_blocks_per_request`,
+    ceil((W - 1 + t) / bs) + 1) is never below it."""
+    _check_geometry(window, block_size)
+    if tokens_in_flight < 1:
+        raise ValueError(f"at least one token is in flight, got {tokens_in_flight}")
+    return -(-(window - 2 + tokens_in_flight) // block_size) + 1
 
 
 class GroupedMetadata(dict):

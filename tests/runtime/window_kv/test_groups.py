@@ -98,9 +98,9 @@ def test_sliding_blocks_bound_is_tight(bs, window):
         # the block of the last in-flight token; the worst case over every alignment.
         worst = max((first + t - 1) // bs - (first - window + 1) // bs + 1
                     for first in range(window, window + 2 * bs))
-        assert oracle.sliding_blocks_bound(window, bs, t) == worst
-        assert oracle.sliding_blocks_bound(window, bs, t) <= -(-(window - 1 + t) // bs) + 1  # vLLM's cap
-    assert oracle.sliding_blocks_bound(window, bs, 1) == win.window_block_count(window, bs)
+        assert wkv.sliding_blocks_bound(window, bs, t) == worst
+        assert wkv.sliding_blocks_bound(window, bs, t) <= -(-(window - 1 + t) // bs) + 1  # vLLM's cap
+    assert wkv.sliding_blocks_bound(window, bs, 1) == win.window_block_count(window, bs)
 
 
 def test_allocation_windows_keep_the_main_window_only():

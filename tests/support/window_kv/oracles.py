@@ -121,17 +121,3 @@ def group_prefill_context(
                                                    geometry.sliding_window, block_size)
             out.append(trimmed)
     return out
-
-
-def sliding_blocks_bound(window: int, block_size: int, tokens_in_flight: int) -> int:
-    """The most blocks one request holds in a sliding group while `tokens_in_flight` of its
-    tokens are scheduled and not yet computed (with async scheduling: including the step whose
-    frees lag). The manager keeps the window behind the first of them (W - 1 keys) and the
-    in-flight tokens themselves: W - 2 + t consecutive positions after the first, which touch at
-    most ceil((W - 2 + t) / bs) + 1 blocks. One decode token gives `window.window_block_count`;
-    vLLM's admission cap (`SlidingWindowSpec.max_admission_blocks_per_request`,
-    ceil((W - 1 + t) / bs) + 1) is never below it."""
-    _check_geometry(window, block_size)
-    if tokens_in_flight < 1:
-        raise ValueError(f"at least one token is in flight, got {tokens_in_flight}")
-    return -(-(window - 2 + tokens_in_flight) // block_size) + 1

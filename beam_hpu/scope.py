@@ -3,7 +3,8 @@
 The plugin is installed into images that may serve other models, so each runtime patch and each
 port edit acts only when the model is Beam (transformers `model_type` "beam", beam_hpu.names),
 or its index entry says why it must be global (`scope`, beam_hpu/runtime/__init__.py and the fix
-units). Two ways to ask, by what the caller holds:
+units). Three ways to ask, by what the caller holds:
+- `is_beam_model_type(model_type)`: a model_type string (vllm-gaudi's runner hands one out).
 - `serves_beam(vllm_config)`: an object that keeps its engine's VllmConfig (the scheduler).
 - `building_beam()`: code that runs while vLLM builds the model's layers (quant methods, linear
   kernels), inside vLLM's `set_current_vllm_config` context; outside it (no config) the answer is
@@ -23,8 +24,13 @@ def model_type_of(vllm_config: Any) -> str | None:
     return getattr(getattr(model_config, "hf_config", None), "model_type", None)
 
 
+def is_beam_model_type(model_type: str | None) -> bool:
+    """Whether a model_type (hf_config's, or vllm-gaudi's runner's `_get_model_type()`) is Beam's."""
+    return model_type == MODEL_TYPE
+
+
 def serves_beam(vllm_config: Any) -> bool:
-    return model_type_of(vllm_config) == MODEL_TYPE
+    return is_beam_model_type(model_type_of(vllm_config))
 
 
 def building_beam() -> bool:

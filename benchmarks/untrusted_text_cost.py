@@ -1,4 +1,4 @@
-"""What issue 18's guards cost per request, in one run, as ratios of medians (no engine needed).
+"""What the parser guards (beam_hpu.parsers.untrusted, validation) cost per request, in one run, as ratios of medians (no engine needed).
 
 1. Rendering a chat request (vLLM 0.30.0's safe_apply_chat_template, then the tokenizer, as the
    server does) with the plugin's hook vs without it: a benign request (the hook only checks it)

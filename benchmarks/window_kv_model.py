@@ -1,4 +1,4 @@
-"""A MODEL (not a measurement) of what a window-sized KV cache (issue 26) costs and saves per step
+"""A MODEL (not a measurement) of what a window-sized KV cache costs and saves per step
 at 256K context on the recipe's node, in benchmarks/decode_model.py's terms: bytes one card reads
 in one step, KV read in whole blocks of 128, and the batch the KV pool lets run.
 

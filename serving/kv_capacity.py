@@ -6,14 +6,14 @@ vLLM's own KV-cache sizing from the specs vllm-gaudi's runner emits.
 The chain, each step from the code that does it (vllm-gaudi 091bbadd, vLLM 0.30.0):
 1. specs: `HPUModelRunner.get_kv_cache_spec` emits a `FullAttentionSpec(block_size, num_kv_heads,
    head_size, dtype=kv_cache_dtype)` for every decoder attention layer, the 43 sliding ones too
-   (`layer_specs`; issue 26's window-sized variant hands its own specs to the same functions);
+   (`layer_specs`; the window-sized variant hands its own specs to the same functions);
    dtype is the model dtype for `--kv-cache-dtype auto` and float8_e4m3fn for `fp8_inc`.
 2. memory: `HPUWorker.determine_available_memory` takes the device memory free after the profile
    run, F, keeps F * gpu_memory_utilization, gives VLLM_GRAPH_RESERVED_MEM of that to HPU graphs,
    and reports the rest minus one dummy block (one page of every layer) (`kv_cache_bytes`);
 3. blocks: vLLM's `get_kv_cache_config_from_groups` divides that by the bytes of one block of
    every layer (`pool_blocks`), and logs `num_blocks * block_size` as the KV cache size.
-Under a window-sized KV cache (issue 26, BEAM_WINDOW_KV=1) the 43 sliding layers get
+Under a window-sized KV cache (BEAM_WINDOW_KV=1) the 43 sliding layers get
 `SlidingWindowSpec` (window 512; `window_layer_specs`, by beam_hpu.runtime.window_kv.groups's own rules) and
 vLLM's `get_kv_cache_groups` forms 1 full + 5 sliding groups of 9 layers over 9 shared buffers, so
 a block costs 9 layers' pages instead of 52; the same bytes are divided by vLLM's same function

@@ -7,7 +7,7 @@ block counts follow vLLM 0.30's own rules (`kv_cache_utils._get_kv_cache_groups_
 The one measured input is the pool the recipe reports today, 776,448 tokens (6,066 blocks of 128);
 the KV bytes per card are derived from it, and the same bytes are then re-cut into blocks under the
 other layouts. What is left out, and so not in any figure: vllm-gaudi's extra pad block per buffer,
-per-token FP8 scales (issue 25 decides the FP8 KV format; `scale_bytes_per_token_layer` is 0 here),
+per-token FP8 scales (the FP8 KV cache uses per-layer scales; `scale_bytes_per_token_layer` is 0 here),
 and whether the smaller per-block page changes graph memory.
 
 A window-sized cache only holds for the decode steps of sequences past their prefill: a sequence

@@ -24,7 +24,7 @@ rows, 5 to 15 to 16 (vllm-gaudi's spec buckets of batch 1 serve plain decode ste
 sequences); `python -m serving.decode_padding` prints what each file pads.
 
 The window-KV variants (`--window-kv`, for BEAM_WINDOW_KV=1: a window-sized KV cache for the 43
-sliding layers, issue 26) re-derive the decode block ranges for per-group block lists: vllm-gaudi
+sliding layers) re-derive the decode block ranges for per-group block lists: vllm-gaudi
 pads each KV-cache group's decode block list to a decode bucket found from that group's own block
 count, and a sliding group holds at most window_block_count blocks a row (5 at window 512, block
 128), so its lists land on each batch's smallest bucket. Here that smallest bucket is the window

@@ -8,7 +8,8 @@ import torch
 from tests.support.gaudi_tree import MISSING, ensure_gaudi_fixes_root
 from tests.support.reaper import become_subreaper, reap_leftovers
 
-from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint, write_tiny_fp8_checkpoint
+from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
+from beam_hpu.tiny.fp8_checkpoint import write_tiny_fp8_checkpoint
 from beam_hpu.tiny.checkpoint import CONDITIONED_POST_NORM_GAIN, write_tiny_checkpoint
 
 PRESET, SEED = "small", 0

@@ -1,6 +1,8 @@
 """The house's arrows, from the code's own imports (every import, deferred ones too):
 - no circle anywhere in `beam_hpu/`: a module never imports, through any chain, a module that
   imports it;
+- no circle of rooms either (a room: a top-level folder or module, or one feature of the runtime
+  wing): two rooms never reach each other, even through modules that form no circle;
 - the reference job's rooms run down, gates -> reference -> quant -> loader -> model: none imports
   a room to its left, and none of the lower four imports the gate suite, the CLI, the demo's
   serving or the replica fleet."""
@@ -8,7 +10,7 @@
 import textwrap
 
 from tests.support.engines import REPO
-from tests.support.import_graph import cycles, import_graph, room
+from tests.support.import_graph import cycles, import_graph, room, room_graph
 
 PACKAGE = REPO / "beam_hpu"
 DOWNWARD = ["beam_hpu.gates", "beam_hpu.reference", "beam_hpu.quant", "beam_hpu.loader", "beam_hpu.model"]
@@ -22,6 +24,10 @@ def room_imports(graph) -> set[tuple[str, str, str]]:
 
 def test_no_import_circle_in_the_package():
     assert cycles(import_graph(PACKAGE)) == []
+
+
+def test_no_circle_of_rooms():
+    assert cycles(room_graph(import_graph(PACKAGE))) == []
 
 
 def test_the_reference_rooms_only_import_down():
@@ -51,3 +57,24 @@ def test_the_finders_see_a_circle_and_a_climb(tmp_path):
     assert graph["beam_hpu.reference.live"] == {"beam_hpu.gates", "beam_hpu.gates.perplexity"}
     assert cycles(graph) == [["beam_hpu.gates.perplexity", "beam_hpu.reference.live"]]
     assert ("beam_hpu.reference", "beam_hpu.gates", "beam_hpu.reference.live") in room_imports(graph)
+
+
+def test_the_room_check_sees_a_circle_no_module_check_sees(tmp_path):
+    """Two rooms reaching each other through different modules: no module circle, a room circle;
+    inside the runtime wing each feature is its own room."""
+    pkg = tmp_path / "beam_hpu"
+    for sub in ("tiny", "quant", "runtime", "runtime/fp8", "runtime/prefill"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tiny" / "fp8.py").write_text("from beam_hpu.quant.quantiser import q\n")
+    (pkg / "quant" / "quantiser.py").write_text("q = 1\n")
+    (pkg / "quant" / "check.py").write_text("def f():\n    from beam_hpu.tiny import fp8\n")
+    (pkg / "runtime" / "fp8" / "gather.py").write_text("from beam_hpu.runtime.prefill.tiles import t\n")
+    (pkg / "runtime" / "prefill" / "tiles.py").write_text("t = 1\n")
+    (pkg / "runtime" / "prefill" / "inflight.py").write_text("from beam_hpu.runtime.fp8 import gather\n")
+    graph = import_graph(pkg)
+    assert cycles(graph) == []
+    assert cycles(room_graph(graph)) == [["beam_hpu.quant", "beam_hpu.tiny"],
+                                         ["beam_hpu.runtime.fp8", "beam_hpu.runtime.prefill"]]
+

@@ -89,7 +89,7 @@ def write_checkpoint(out, preset: str, dtype: str, seed: int, fp8: bool):
         shutil.copytree(TRAINED_DIR, out, dirs_exist_ok=True)
         return Path(out)
     if fp8:
-        from beam_hpu.quant.fp8_checkpoint import write_tiny_fp8_checkpoint
+        from beam_hpu.tiny.fp8_checkpoint import write_tiny_fp8_checkpoint
 
         return write_tiny_fp8_checkpoint(out, preset, seed=seed)
     from beam_hpu.tiny.checkpoint import write_tiny_checkpoint

@@ -9,6 +9,7 @@ in two shards. Each error names the file and the tensor.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -162,3 +163,31 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
                 raise CheckpointError(f"{directory / INDEX_NAME}: maps tensor {name!r} to {f!r}, "
                                       f"but it is in {tensors[name].file}")
     return Checkpoint(directory, tensors, header_bytes)
+
+
+def write_shards(sd: dict, out: Path, num_shards: int, metadata: dict | None = None) -> list[str]:
+    """Write `sd` as the layout this module reads: `num_shards` safetensors files in name order
+    (a layer's tensors stay together) and the index naming each tensor's file."""
+    from safetensors.torch import save_file
+
+    names = list(sd)
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    per_shard = math.ceil(total / num_shards)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = sd[name].numel() * sd[name].element_size()
+        if shards[-1] and size + nbytes > per_shard and len(shards) < num_shards:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files, weight_map = [], {}
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: sd[n].contiguous() for n in shard}, str(out / fname), metadata={"format": "pt", **(metadata or {})})
+        files.append(fname)
+        weight_map.update({n: fname for n in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return files

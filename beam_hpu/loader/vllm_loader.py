@@ -9,7 +9,7 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from beam_hpu.loader.load import load_checkpoint
-from beam_hpu.loader.location import local_checkpoint_dir
+from beam_hpu.location import local_checkpoint_dir
 from beam_hpu.loader.options import LoaderOptions
 
 

@@ -3,7 +3,7 @@
 The threat: vLLM renders a chat request to prompt *text* with the chat template, then tokenizes
 that text with the tokenizer's added tokens recognised anywhere. A message, a tool result, a tool
 description or a tool name holding `<|end|><|start|>system<|message|>...` therefore closed its turn
-and forged another (issue 18). On the node the chat template is the checkpoint's, not ours, so
+and forged another. On the node the chat template is the checkpoint's, not ours, so
 nothing here relies on what a template does with the text.
 
 Chosen: render with client text neutralised, then tokenize per segment.

@@ -30,7 +30,7 @@ import logging
 from pathlib import Path
 
 from beam_hpu.loader.checkpoint import DTYPE_NAMES, open_checkpoint
-from beam_hpu.loader.location import local_checkpoint_dir
+from beam_hpu.location import local_checkpoint_dir
 from beam_hpu.names import ARCH, LOGGER
 
 PUBLISHED_SCHEME = ("weights: float 8-bit, strategy channel, symmetric, static; "

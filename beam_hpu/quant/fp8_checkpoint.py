@@ -14,7 +14,6 @@ copied tokenizer files are the library's, not ours.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 # Module names (regex with "re:") left unquantised. The router must stay out because vLLM builds
@@ -103,28 +102,6 @@ def quantize_checkpoint(src: str | Path, out: str | Path, ignore: list[str] | No
     return out
 
 
-def write_tiny_fp8_checkpoint(
-    out: str | Path,
-    preset_name: str = "small",
-    seed: int = 0,
-    *,
-    source_dtype: str = "bfloat16",
-    num_shards: int = 3,
-    ignore: list[str] | None = None,
-    **overrides,
-) -> Path:
-    """The tiny Beam of `beam_hpu.tiny.checkpoint` (same preset, seed, tokenizer), quantised to FP8.
-
-    `write_tiny_checkpoint(dir, preset_name, dtype=source_dtype, seed=seed)` gives the unquantised
-    model this checkpoint was made from: the bf16 oracle for accuracy checks.
-    """
-    from beam_hpu.tiny.checkpoint import write_tiny_checkpoint
-
-    with tempfile.TemporaryDirectory(prefix="beam-tiny-src-") as src:
-        write_tiny_checkpoint(src, preset_name, dtype=source_dtype, seed=seed, num_shards=num_shards, **overrides)
-        return quantize_checkpoint(src, out, ignore)
-
-
 def dequantize_checkpoint(src: str | Path, out: str | Path, dtype: str = "float32") -> Path:
     """Write the weight-only copy of the FP8 checkpoint `src`: every FP8 weight replaced by
     `fp8 * weight_scale` in `dtype`, no quantization_config. Served, it is the FP8 model with the
@@ -136,7 +113,7 @@ def dequantize_checkpoint(src: str | Path, out: str | Path, dtype: str = "float3
     import torch
     from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
 
-    from beam_hpu.tiny.checkpoint import write_shards
+    from beam_hpu.loader.checkpoint import write_shards
 
     src, out = Path(src), Path(out)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

@@ -6,15 +6,22 @@ served model and its reference can be compared in the same rounding.
 
 exact=True, the reference's rounding: scale = amax / fp8_max in fp32 (an all-zero row gets a tiny
   positive amax instead of 0/0), then x / scale, rounded to the nearest e4m3 value, ties to even.
-exact=False, vllm-gaudi's fast path (`extension/ops.py::dynamic_quant`, what the recipe runs):
-  scale = (amax + 1e-8) / fp8_max, computed by torch in the activation's own dtype (bf16 on the
-  recipe: amax + 1e-8 and the division round to bf16), then `cast_to_fp8_v2(x, 1.0 / scale)`:
-  the activation times the reciprocal of the scale (the reciprocal also in the activation's
-  dtype), rounded to e4m3 (stochastic rounding off), saturated at +-fp8_max. That the cast
-  multiplies in fp32 and saturates is our model of the Gaudi kernel; nothing here runs on one.
+exact=False, the Gaudi mode: vllm-gaudi's fast path (`extension/ops.py::dynamic_quant`, what the
+  recipe runs): scale = (amax + 1e-8) / fp8_max, computed by torch in the activation's own dtype
+  (bf16 on the recipe: amax + 1e-8 and the division round to bf16), then
+  `cast_to_fp8_v2(x, 1.0 / scale)` as Habana documents it (`gaudi_cast_to_fp8`).
 
-Where the two differ: (a) x * (1 / s) and x / s are different fp32 numbers now and then, and
-one step of e4m3 apart when a rounding boundary falls between them; (b) in a row whose amax is
+How `cast_to_fp8_v2` rounds is taken from Habana's own card test of it
+(HabanaAI/gaudi-pytorch-bridge, tests/pytest_working/compile/test_hpu_fp8_ops.py,
+test_cast_to_fp8_v2): its expected output is the FP8 rounding of `input * scale.to(input.dtype)`,
+the product rounded to the input's dtype first (bf16 for the recipe's activations), and the test
+asserts the card's output equal to it. `fp32_product_cast_to_fp8` is the other candidate (the
+product in fp32, one rounding); on bf16 activations of Beam's width the two differ on a few per
+cent of elements, by one FP8 step. Both are our model of the kernel; `beam-hpu card-check` asks
+the card which it matches. For fp32 activations (the CPU tests serve fp32) the two are one.
+
+Where the two modes differ: (a) x * (1 / s) rounded to x's dtype and x / s in fp32 are different
+numbers now and then, one step of e4m3 apart when a rounding boundary falls between them; (b) in a row whose amax is
 not large against 1e-8 the fast scale is larger, so the row uses less of the FP8 range; (c) with
 bf16 activations the fast scale is a bf16 number. Elsewhere they agree element for element.
 `fp8_max` is 448 for OCP e4m3fn (CPU, CUDA) and 240 on Gaudi 2 (vllm-gaudi's FP8_MAX there).
@@ -47,9 +54,29 @@ def per_token_fp8(x: torch.Tensor, fp8_max: float, exact: bool) -> tuple[torch.T
     else:
         # Same op order and dtype as dynamic_quant: the scale's roundings are part of the path.
         scale = (x.abs().amax(dim=-1, keepdim=True) + FAST_PATH_AMAX_EPSILON) / fp8_max
-        scaled = x.float() * (1.0 / scale).float()
-        scale = scale.float()
+        return gaudi_cast_to_fp8(x, 1.0 / scale, fp8_max), scale.float()
     return scaled.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn), scale
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # The card computes float64 as fp32 (the bridge's getInternalDtype).
+    return torch.float32 if dtype == torch.float64 else dtype
+
+
+def gaudi_cast_to_fp8(x: torch.Tensor, inv_scale, fp8_max: float) -> torch.Tensor:
+    """`cast_to_fp8_v2(x, inv_scale)` as Habana's card test defines it (module doc): the product
+    x * inv_scale rounded to x's dtype, then to e4m3 (nearest even), saturated at +-fp8_max."""
+    dtype = _compute_dtype(x.dtype)
+    inv = torch.as_tensor(inv_scale, device=x.device).to(dtype)
+    product = x.to(dtype) * inv
+    return product.float().clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+
+
+def fp32_product_cast_to_fp8(x: torch.Tensor, inv_scale, fp8_max: float) -> torch.Tensor:
+    """The other model of the same cast: the product in fp32, rounded once to e4m3 (nearest even),
+    saturated at +-fp8_max. What `beam-hpu card-check` tells apart from `gaudi_cast_to_fp8`."""
+    inv = torch.as_tensor(inv_scale, device=x.device).float()
+    return (x.float() * inv).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
 
 
 def fake_quant_per_token(x: torch.Tensor, fp8_max: float = FP8_E4M3FN_MAX, exact: bool = True) -> torch.Tensor:
@@ -88,9 +115,10 @@ def kv_device_step(scale: float, fp8_max: float) -> float:
 def fp8_kv_round(x: torch.Tensor, scale: float, fp8_max: float, exact: bool = True) -> torch.Tensor:
     """`x` as an FP8 KV cache of range `fp8_max` holds and returns it, for the checkpoint's `scale`
     (compressed-tensors form): e4m3(x / step) * step in fp32, saturated at +-fp8_max, step =
-    `kv_device_step(scale, fp8_max)`. exact=False multiplies by the step's reciprocal, as
-    vllm-gaudi's cast_to_fp8_v2(x, 1 / step) does (the module doc's rounding (a))."""
+    `kv_device_step(scale, fp8_max)`. exact=False is vllm-gaudi's cast_to_fp8_v2(x, 1 / step) in the
+    Gaudi mode (`gaudi_cast_to_fp8`: the product in x's dtype)."""
     step = torch.tensor(kv_device_step(scale, fp8_max), dtype=torch.float32)
-    xf = x.float()
-    scaled = xf / step if exact else xf * (1.0 / step)
+    if not exact:
+        return gaudi_cast_to_fp8(x, 1.0 / step, fp8_max).float() * step
+    scaled = x.float() / step
     return scaled.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float() * step

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from beam_hpu.loader.location import local_checkpoint_dir
+from beam_hpu.location import local_checkpoint_dir
 from beam_hpu.names import LOAD_FORMAT, MODEL_TYPE, PARSER
 from beam_hpu.settings.switches import SWITCHES, SwitchError, read_switches
 

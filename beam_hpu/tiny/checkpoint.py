@@ -280,33 +280,6 @@ def random_state_dict(cfg: dict, seed: int, dtype, post_norm_gain: float | None 
     return sd
 
 
-def write_shards(sd: dict, out: Path, num_shards: int, metadata: dict | None = None) -> list[str]:
-    """Split tensors over `num_shards` files in name order (layers stay together) with an index."""
-    from safetensors.torch import save_file
-
-    names = list(sd)
-    total = sum(t.numel() * t.element_size() for t in sd.values())
-    per_shard = math.ceil(total / num_shards)
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        nbytes = sd[name].numel() * sd[name].element_size()
-        if shards[-1] and size + nbytes > per_shard and len(shards) < num_shards:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    files, weight_map = [], {}
-    for k, shard in enumerate(shards):
-        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: sd[n].contiguous() for n in shard}, str(out / fname), metadata={"format": "pt", **(metadata or {})})
-        files.append(fname)
-        weight_map.update({n: fname for n in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return files
-
-
 def write_tiny_checkpoint(
     out: str | Path,
     preset_name: str = "small",
@@ -324,6 +297,8 @@ def write_tiny_checkpoint(
     `post_norm_gain` conditions the random weights (see CONDITIONED_POST_NORM_GAIN).
     """
     import torch
+
+    from beam_hpu.loader.checkpoint import write_shards
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """benchmarks/decode_model.py: the step-time model's byte counts follow Beam's shapes, it reproduces
-the two measured figures it is calibrated on, and it prints the per-batch table (issue 24 item 5)."""
+the two measured figures it is calibrated on, and it prints the per-batch table."""
 
 from __future__ import annotations
 

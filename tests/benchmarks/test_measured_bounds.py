@@ -1,5 +1,5 @@
-"""benchmarks/measured_bounds.py: the verdict of a lower bound timed beside what it bounds (issue 23
-item 6). A ratio under 1 is a measurement fault, never a result; medians over interleaved rounds."""
+"""benchmarks/measured_bounds.py: the verdict of a lower bound timed beside what it bounds. A
+ratio under 1 is a measurement fault, never a result; medians over interleaved rounds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 17, end to end: two replicas of the tiny trained Beam behind a real `vllm-router`
+"""End to end: two replicas of the tiny trained Beam behind a real `vllm-router`
 (cache-aware policy), started once for the module by the demo's own code (beam_hpu.replicas), on
 loopback. What is asserted is read from the servers themselves: each replica's /metrics (finished
 requests, prefix-cache hits), the router's worker list, and the answers.

@@ -1,4 +1,4 @@
-"""Issue 28, end to end on one fleet (2 replicas of the tiny trained Beam behind a real
+"""End to end on one fleet (2 replicas of the tiny trained Beam behind a real
 `vllm-router`, the demo's supervisor restarting replicas), loopback only:
 
 1. what a client sees when its replica's engine core dies under its open stream, through the

@@ -1,4 +1,4 @@
-"""Issue 16 item 1: prompt-lookup (ngram) and suffix drafts through the whole port are lossless.
+"""Prompt-lookup (ngram) and suffix drafts through the whole port are lossless.
 
 Two real `vllm serve` runs of the tiny trained Beam, one after the other (one engine at a time):
 the demo's command line, and the same plus `--speculative-config` ngram (k=4, lookup 2..4). The

@@ -1,4 +1,4 @@
-"""Issue 5, end to end: the recipe's 11 tool cases through a real `vllm serve` (beam parsers, the
+"""End to end: the recipe's 11 tool cases through a real `vllm serve` (beam parsers, the
 always-on response grammar, streamed tool arguments) with the official openai client.
 
 The model is the tiny *trained* Beam (`beam_hpu/tiny/data/trained_tiny`, `beam_hpu.tiny.train`): it was

@@ -2,7 +2,7 @@
 
 import pytest
 
-from beam_hpu.quant.fp8_checkpoint import write_tiny_fp8_checkpoint
+from beam_hpu.tiny.fp8_checkpoint import write_tiny_fp8_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,10 @@
 """`--load-format beam` leaves exactly the model state `auto` leaves: every tensor, bit for bit,
-on every rank, for bf16 and FP8 checkpoints at TP 2 and TP 2 + EP. Under EP the check also shows
-each rank read only its own experts (accounting, against the headers).
+on every rank: a bf16 checkpoint at TP 2 (experts sliced by rows) and an FP8 one at TP 2 + EP
+(experts whole, each on its rank; FP8 weights and scales sliced by TP elsewhere). Under EP the
+check also shows each rank read only its own experts (accounting, against the headers). FP8
+experts sliced by rows (TP 2 without EP) take the bf16 run's row slicing, which reads bytes
+whatever their dtype, with their per-channel scales sliced as the FP8 attention's are; TP 2 FP8
+without EP is also served against TP 1 in tests/runtime/expert_parallel.
 
 Not at TP 1 here (two engine starts of the suite's longest test): a TP 1 rank reads every tensor
 whole, the degenerate slice of the TP 2 ranks checked below; the reader and placement at TP 1 are
@@ -15,7 +19,6 @@ import torch
 from tests.loader.accounting import expected_rank_bytes, header_bytes
 from tests.support.engines import run_engine
 
-CONFIGS = [(2, False), (2, True)]  # (tp, ep)
 
 
 def loaded_states(model, tmp_path, load_format, dtype, tp, ep):
@@ -35,7 +38,7 @@ def assert_identical(auto: dict, beam: dict, where: str) -> int:
     return len(auto)
 
 
-def check_identity(model, tmp_path, dtype, configs=CONFIGS):
+def check_identity(model, tmp_path, dtype, configs):
     for tp, ep in configs:
         auto = loaded_states(model, tmp_path, "auto", dtype, tp, ep)
         beam = loaded_states(model, tmp_path, "beam", dtype, tp, ep)
@@ -51,12 +54,13 @@ def check_identity(model, tmp_path, dtype, configs=CONFIGS):
 
 @pytest.mark.slow
 def test_bf16_state_identical_to_auto(tiny_bf16, tmp_path):
-    # TP 2 + EP only: it slices bf16 attention as TP 2 does and bf16 experts by expert; TP 2
-    # without EP is covered by the FP8 run below (the same row reader; its embeddings, norms and
-    # lm_head are bf16).
-    check_identity(tiny_bf16, tmp_path, "bfloat16", configs=[(2, True)])
+    # TP 2 without EP: experts sliced by rows, as attention is; placing whole experts on their
+    # ranks (EP) is the FP8 run's, whose embeddings, norms and lm_head are bf16 too.
+    check_identity(tiny_bf16, tmp_path, "bfloat16", configs=[(2, False)])
 
 
 @pytest.mark.slow
 def test_fp8_state_identical_to_auto(tiny_fp8, tmp_path):
-    check_identity(tiny_fp8, tmp_path, "bfloat16")
+    # TP 2 + EP: FP8 weights and their per-channel scales sliced by TP in attention and dense
+    # layers, whole FP8 experts with their scales on their ranks.
+    check_identity(tiny_fp8, tmp_path, "bfloat16", configs=[(2, True)])

@@ -1,4 +1,4 @@
-"""Issue 18, item 1: no client string becomes a control token in the prompt.
+"""No client string becomes a control token in the prompt.
 
 Each hostile request puts PAYLOAD (every control token of the response template and of the
 tokenizer, around a forged system turn, assistant turn, tool call and tool result) into one

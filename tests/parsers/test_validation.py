@@ -1,4 +1,4 @@
-"""Issue 18, items 2 and 3: unknown roles, bad tool names and faulty schemas are refused with a
+"""Unknown roles, bad tool names and faulty schemas are refused with a
 400 (VLLMValidationError) whose message names the message, tool, parameter path and reason.
 
 Roles and names are checked where the plugin's hook renders the request (vLLM's

@@ -4,8 +4,9 @@ vllm-gaudi's own `HPUCompressedTensorsKVCacheMethod`, and `beam-fsdpa-tiles` aro
 
 The tree's classes are taken from its files (`vllm_gaudi/ops/hpu_compressed_tensors.py`,
 `vllm_gaudi/extension/utils.py`) and run with vLLM 0.30.0's real `CompressedTensorsKVCacheMethod`
-as base; the Habana ops are stand-ins with our model of them (`beam_hpu.quant.rounding`):
-`cast_to_fp8_v2(x, s)` = e4m3(x * s) saturated at +-240, `cast_from_fp8(x, s)` = x * s, and the
+as base; the Habana ops are stand-ins with our model of them: `cast_to_fp8_v2(x, s)` =
+tests/support/gaudi/habana_ops.py's (after Habana's card test: e4m3 of x * s taken in x's dtype,
+saturated at +-240), `cast_from_fp8(x, s)` = x * s, and the
 FP8 FusedSDPA kernel = torch SDPA of the dequantised inputs (its internal FP8 rounding of the
 softmax, scale_amax 1.0, is not modelled: a card run must confirm it).
 """
@@ -20,7 +21,7 @@ import torch
 from beam_hpu.model.beam import KV_CACHE_SCALE
 from beam_hpu.quant.rounding import GAUDI2_FP8_MAX, fp8_kv_round, kv_device_step
 from beam_hpu.reference.kv_overlay import SHARD_NAME, tensor_name, write_overlay
-from tests.support.gaudi import prompt_attention
+from tests.support.gaudi import habana_ops, prompt_attention
 from tests.support.gaudi.prompt_attention import CASES, D, PromptAttention
 from tests.support.gaudi.source import run_statements
 from tests.support.gaudi.tree import port_tree_fixture
@@ -51,8 +52,7 @@ class HabanaOps:
     @staticmethod
     def cast_to_fp8_v2(x, scale, stochastic, is_amax, dtype):
         assert not stochastic and dtype == torch.float8_e4m3fn
-        scale = torch.as_tensor(scale, dtype=torch.float32)
-        return ((x.float() * scale).clamp(-GAUDI2_FP8_MAX, GAUDI2_FP8_MAX).to(torch.float8_e4m3fn), None)
+        return habana_ops.cast_to_fp8_v2(x, torch.as_tensor(scale, dtype=torch.float32), GAUDI2_FP8_MAX), None
 
     @staticmethod
     def cast_from_fp8(x, scale, dtype):

@@ -59,7 +59,7 @@ def test_the_table_prints_its_inputs_and_the_unknown_one(capsys):
 
 
 def test_kv_capacity_and_kv_window_agree_on_the_full_caches():
-    """serving/kv_window.py (issue 26) re-cuts the bytes of the measured 6,066-block pool; this module
+    """serving/kv_window.py re-cuts the bytes of the measured 6,066-block pool; this module
     derives the pool from the memory split. At an F that gives 6,066 bf16 blocks both agree on the
     bf16 pool; on FP8's this module finds 1 to 3 blocks more: the FP8 dummy block is half the bf16 one
     (+1), and the bytes left under one bf16 block are up to two FP8 blocks (kv_window drops them). FP8 KV here

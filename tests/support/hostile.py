@@ -1,4 +1,4 @@
-"""Hostile requests for issue 18's tests: a payload of every control token, the request fields
+"""Hostile requests for the parser guards' tests: a payload of every control token, the request fields
 it is put into, and the oracle that says where the template's control tokens sit (shared by the
 unit tests, tests/parsers/test_untrusted.py, and the end-to-end suite, tests/e2e/test_bad_input.py)."""
 

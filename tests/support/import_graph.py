@@ -99,6 +99,27 @@ def room(module: str, depth: int = 2) -> str:
     return ".".join(module.split(".")[:depth])
 
 
+WINGS = ("runtime",)  # folders whose sub-folders are the rooms (one per runtime feature)
+
+
+def feature_room(module: str) -> str:
+    """The room a module lives in: its top-level folder, or inside a wing its feature's folder
+    (`beam_hpu.runtime.fp8.portable_moe` -> `beam_hpu.runtime.fp8`); the wing's own index is a room."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] in WINGS:
+        return ".".join(parts[:3])
+    return ".".join(parts[:2])
+
+
+def room_graph(graph: dict[str, set[str]], room_of=feature_room) -> dict[str, set[str]]:
+    """Room -> the other rooms its modules import, from a module graph."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        here = room_of(module)
+        rooms.setdefault(here, set()).update(room_of(t) for t in targets if room_of(t) != here)
+    return rooms
+
+
 def is_test_module(name: str) -> bool:
     """A module pytest collects or loads as a conftest: `test_*` or `conftest`, by its last part."""
     last = name.rpartition(".")[2]

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from beam_hpu.scope import is_beam_model_type
 from beam_hpu.runtime.speculative.rejection_sampling import expand_per_request, uniform_draws, verify
 
 # vLLM's Sampler and vllm-gaudi's input batch: temperature below this is a greedy request (-1.0
@@ -154,7 +155,7 @@ def request_refusal(params: Any, *, model_type: str | None, speculative: bool,
     """(field, message) of an HTTP 400 for a request this port's HPU verify step cannot serve, or
     None. Acts only for a Beam model on HPU with --speculative-config: on CPU vLLM's own verifier
     (through cpu-rejection-sampler) serves every field, and without drafts nothing is verified."""
-    if not speculative or device_type != "hpu" or model_type != "beam":
+    if not speculative or device_type != "hpu" or not is_beam_model_type(model_type):
         return None
     found = unverifiable_fields(params)
     if not found:

@@ -6,24 +6,23 @@ attention layers into groups of equal size (9 full layers; 43 sliding layers in 
 the last padded), gives each group its own block table per request, and frees a sliding group's
 blocks once the window has left them, putting its null block (id 0) in their table columns.
 All groups share one pool of block ids: block b of buffer j is the K/V of the j-th layer of
-whichever group owns b now. So a runner serving it must
+whichever group owns b now. What the runner units take from here:
 
-- allocate one K/V buffer per group position j, shared by the j-th layer of every group
+- the spec each layer gets (`window_kv_spec`) and which windows are allocated (`allocation_windows`);
+- one K/V buffer per group position j, shared by the j-th layer of every group
   (`shared_buffer_layers`);
-- build slot mappings and block lists per group, from that group's table (`group_slots`,
-  `group_decode_tables`, `group_prefill_context`), and let each layer read its group's
-  (`layer_groups`);
-- never read or write a null or missing block for a key a query attends (`window_columns_live`);
-- hand vllm-gaudi's defragmenter each shared buffer once (`distinct_kv_caches`): it swaps block
-  contents in every cache it is given, and with prefix caching a swap is an exchange, so a buffer
-  listed twice (once per layer sharing it) is swapped back while the block ids stay remapped.
+- which group each layer reads (`layer_groups`) and the step's metadata per layer
+  (`GroupedMetadata`, its step-wide view being the `primary_group`'s);
+- each shared buffer handed once to vllm-gaudi's defragmenter (`distinct_kv_caches`): it swaps
+  block contents in every cache it is given, and with prefix caching a swap is an exchange, so a
+  buffer listed twice (once per layer sharing it) is swapped back while the block ids stay remapped;
+- the most blocks a request holds in a sliding group (`sliding_blocks_bound`), which
+  serving/kv_window.py reserves for prefills.
 
 A sliding group's table keeps the logical column order (freed columns hold the null block), so
-`beam_hpu.runtime.sliding_window.hpu_window`'s exact-window functions apply to it unchanged; the functions below only add
-the per-group bookkeeping and the checks. Nothing here imports vLLM except `window_kv_spec`, which
-builds vLLM's spec object.
-
-Positions and columns are 0-based; column c of a table holds positions c*bs .. c*bs+bs-1.
+`beam_hpu.runtime.sliding_window.hpu_window`'s exact-window functions apply to it unchanged. The
+exact reads each group must give are checked by the oracles of tests/support/window_kv/oracles.py.
+Nothing here imports vLLM except `window_kv_spec`, which builds vLLM's spec object.
 """
 
 from __future__ import annotations
@@ -99,13 +98,20 @@ def shared_buffer_layers(group_layer_names: Sequence[Sequence[str]]) -> list[lis
     return [[names[j] for names in group_layer_names if j < len(names)] for j in range(width)]
 
 
+def tensor_root(t):
+    """The tensor `t` is a view of (itself when it is no view): what identifies a buffer on HPU.
+    Not its storage pointer: Habana's lazy tensors report a null one, and a lazy view gets a
+    storage of its own (beam_hpu/runtime/window_kv/README.md)."""
+    return t if t._base is None else t._base
+
+
 def distinct_kv_caches(kv_caches: Sequence[tuple]) -> list[tuple]:
     """The runner's per-layer (key, value, ...) caches with each shared buffer kept once (first
-    occurrence, by the key tensor's storage), for code that acts on every buffer once per step
+    occurrence, by the key tensor's root object), for code that acts on every buffer once per step
     (vllm-gaudi's OnlineDefragmenter swaps blocks in each cache it holds)."""
     seen, out = set(), []
     for cache in kv_caches:
-        key = cache[0].untyped_storage().data_ptr()
+        key = id(tensor_root(cache[0]))
         if key not in seen:
             seen.add(key)
             out.append(cache)
@@ -124,11 +130,6 @@ def sliding_blocks_bound(window: int, block_size: int, tokens_in_flight: int) ->
     if tokens_in_flight < 1:
         raise ValueError(f"at least one token is in flight, got {tokens_in_flight}")
     return -(-(window - 2 + tokens_in_flight) // block_size) + 1
-
-
-def sliding_group_windows(group_specs: Mapping[int, int | None]) -> dict[int, GroupGeometry]:
-    """Group index -> its geometry, from each group's sliding window (None = full attention)."""
-    return {gid: GroupGeometry(window) for gid, window in group_specs.items()}
 
 
 class GroupedMetadata(dict):

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from beam_hpu.runtime.window_kv.groups import GroupedMetadata, layer_groups, primary_group
+from beam_hpu.names import MODEL_TYPE
+from beam_hpu.scope import is_beam_model_type
+from beam_hpu.runtime.window_kv.groups import GroupedMetadata, layer_groups, primary_group, tensor_root
 
 METADATA_FIELD = "attn_metadata"
 
@@ -57,8 +59,8 @@ def step_groups(kv_cache_config, model_type: str | None) -> StepGroups | None:
 
     if not any(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups):
         return None
-    if model_type != "beam":
-        raise ValueError(f"sliding-window KV-cache groups for model type {model_type!r}: only beam builds them")
+    if not is_beam_model_type(model_type):
+        raise ValueError(f"sliding-window KV-cache groups for model type {model_type!r}: only {MODEL_TYPE} builds them")
     other = [type(g.kv_cache_spec).__name__ for g in groups if not isinstance(g.kv_cache_spec, AttentionSpec)]
     if other:
         raise ValueError(f"a window-sized KV cache beside non-attention groups ({other}) is not served")
@@ -166,27 +168,25 @@ def same_value(values: Sequence, path: str) -> None:
             raise ValueError(f"{path}: group {g} has {v!r}, group 0 {first!r}")
 
 
-def _storages(md) -> dict[str, int]:
-    out = {}
-    for name, value in (_fields(md) or {}).items():
-        if isinstance(value, torch.Tensor) and value.numel() > 0:
-            try:  # the storage, so two views into one persistent buffer count as shared
-                out[name] = value.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError):  # a device tensor without a storage: its own address
-                out[name] = value.data_ptr()
-    return out
+def _buffers(md) -> dict[str, torch.Tensor]:
+    """Each non-empty tensor field of a metadata object, as the buffer it is a view of (so two
+    views into one persistent buffer count as shared), compared by object: never by storage
+    pointer, which is null for every lazy HPU tensor."""
+    return {name: tensor_root(value) for name, value in (_fields(md) or {}).items()
+            if isinstance(value, torch.Tensor) and value.numel() > 0}
 
 
 def disjoint_metadata(group_metadata: Sequence, path: str = METADATA_FIELD) -> None:
-    """Raise if a tensor of one group's metadata shares storage with another group's: the later
+    """Raise if a tensor of one group's metadata shares a buffer with another group's: the later
     build would have written over the earlier group's block lists or slots."""
     seen: dict[int, tuple[int, str]] = {}
     for g, md in enumerate(group_metadata):
-        for name, ptr in _storages(md).items():
-            if ptr in seen and seen[ptr][0] != g:
-                other, other_name = seen[ptr]
-                raise ValueError(f"{path}: group {g}'s {name} shares storage with group {other}'s {other_name}")
-            seen.setdefault(ptr, (g, name))
+        for name, buffer in _buffers(md).items():
+            key = id(buffer)
+            if key in seen and seen[key][0] != g:
+                other, other_name = seen[key]
+                raise ValueError(f"{path}: group {g}'s {name} shares a buffer with group {other}'s {other_name}")
+            seen.setdefault(key, (g, name))
 
 
 def _grouped(group_metadata: Sequence, groups: StepGroups, path: str):

@@ -3,9 +3,10 @@
 The tree is copied and patched (the v0.30.0 fixes, then the port's units; "stock" is the tree with
 the v0.30.0 fixes only), and a fresh interpreter imports its real `extension/ops.py` and
 `ops/hpu_compressed_tensors.py` with the Habana modules stubbed. The Habana ops the FP8 paths
-call are given by their definitions: `cast_to_fp8_v2` multiplies by the given reciprocal scale in
-fp32, saturates at the device's FP8 max and rounds to nearest even (our model of the kernel, as in
-beam_hpu.quant.rounding); `fp8_gemm_v2` is the scaled fp32 product of its operands. The fused
+call are stand-ins: `cast_to_fp8_v2` is tests/support/gaudi/habana_ops.py's, after Habana's own card
+test of it (the product in the input's dtype, then e4m3, saturated at the device's FP8 max), written
+apart from beam_hpu.quant.rounding, whose Gaudi mode the stock tree's dynamic_quant is checked
+against; `fp8_gemm_v2` is the scaled fp32 product of its operands. The fused
 expert op only records what reaches it: the test is about the quantised input, not the experts.
 
 Each layer is built as vLLM's loader leaves it (FP8 weights, per-channel scales, no input scale)
@@ -41,13 +42,14 @@ import vllm_gaudi.ops.hpu_compressed_tensors as ct
 assert ops.__file__.startswith(ROOT) and ct.__file__.startswith(ROOT)
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
 from vllm.config import set_current_vllm_config
+from tests.support.gaudi import habana_ops as habana
 from tests.support.gaudi.vllm_context import model_configs
 
 seen = {}
 
 def cast_to_fp8_v2(x, scale, stochastic_rounding=False, is_amax=False, dtype=torch.float8_e4m3fn):
     assert not stochastic_rounding and not is_amax
-    return (x.float() * scale.float()).clamp(-ops.FP8_MAX, ops.FP8_MAX).to(dtype), None
+    return habana.cast_to_fp8_v2(x, scale, ops.FP8_MAX, dtype), None
 
 def fp8_gemm_v2(A, trans_A, B, trans_B, D, out_dtype, A_scale_inv, B_scale_inv, bias, accumulate):
     seen.update(q=A, scale=A_scale_inv)

@@ -8,16 +8,15 @@ loader leaves it (FP8 weights, per-channel scales, no input scale) and processed
 tiny Llama), then the tree's own `apply_monolithic` routes bf16 activations (softmax top-k) and
 computes the experts.
 
-The Habana ops are given by their definitions (our model of the kernels, nothing runs on a card):
-- `cast_to_fp8_v2`: x times the given reciprocal scale in fp32, saturated at FP8_MAX, nearest even;
-- `fp8_gemm_v2`: the product of the FP8 operands accumulated exactly (float64: e4m3 products and
-  their sums over these widths are exact, so no summation order is assumed), then times the A
-  (token) and B (channel) scales in fp32;
-- `mixture_of_experts.fp8_fused_weights_dynamic`, the fused op over every local expert: for each
-  token, each of its top-k ids within [experts_min, experts_max] in ascending id order: the up GEMM
-  (fp8_gemm_v2 above) to bf16, SwiGLU in fp32 to bf16, that quantised per token by dynamic_quant,
-  the down GEMM, times the router weight, summed in fp32; the result in bf16. That the kernel
-  quantises its intermediate per token is the model this test assumes (see the unit's changes).
+The Habana ops are tests/support/gaudi/habana_ops.py's stand-ins, each after Habana's public
+source: `cast_to_fp8_v2` (the product in the input's dtype, as Habana's card test of it has it),
+`fp8_gemm_v2` (exact product, then the scales), and the fused op as the bridge's eager
+decomposition computes it (every local expert, SwiGLU in bf16, the intermediate quantised per
+token, a bf16 sum). The port's gathered path computes SwiGLU and the expert sum in fp32, so where
+it is taken its output is held to the tolerance Habana's own test gives fp8_gemm_v2 (15 % of the
+reference: here of the row's largest magnitude, the outputs crossing zero); where the fused op
+runs, patched and stock trees must agree bit for bit. Our model of the kernels throughout: no
+card ran this.
 The op also counts its calls, so the test sees which path a step took.
 """
 from __future__ import annotations
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.gaudi.habana_ops import FP8_GEMM_V2_RELATIVE_TOLERANCE
 from tests.support.gaudi.tree import TINY_BEAM, run_stubbed, stock_and_port
 
 pytestmark = pytest.mark.gaudi_tree
@@ -44,39 +44,27 @@ import vllm_gaudi.ops.hpu_compressed_tensors as ct
 assert ops.__file__.startswith(ROOT) and ct.__file__.startswith(ROOT)
 from compressed_tensors.quantization import QuantizationArgs
 from vllm.config import set_current_vllm_config
+from tests.support.gaudi import habana_ops as habana
 from tests.support.gaudi.vllm_context import model_configs
 
 calls = {"fused": 0}
 
 def cast_to_fp8_v2(x, scale, stochastic_rounding=False, is_amax=False, dtype=torch.float8_e4m3fn):
     assert not stochastic_rounding and not is_amax
-    return (x.float() * scale.float()).clamp(-ops.FP8_MAX, ops.FP8_MAX).to(dtype), None
+    return habana.cast_to_fp8_v2(x, scale, ops.FP8_MAX, dtype), None
 
 def fp8_gemm_v2(A, trans_A, B, trans_B, D, out_dtype, A_scale_inv, B_scale_inv, bias, accumulate,
                 B_scale_shape=None):
-    assert not trans_A and D is None and bias is None and not accumulate
-    b = B.double().t() if trans_B else B.double()
-    out = (A.double() @ b).float() * A_scale_inv.float() * B_scale_inv.float().reshape(1, -1)
-    return out.to(out_dtype)
+    assert D is None and bias is None and not accumulate
+    return habana.fp8_gemm_v2(A, trans_A, B, trans_B, out_dtype, A_scale_inv, B_scale_inv)
 
 def fused_experts(hidden_states, expert_routing_table, router_weights, w12, w3, d_scale_hidden_states,
                   d_scale_w12, d_scale_w3, permuted_weights, activation, experts_min, experts_max, **kw):
     assert permuted_weights and activation == "silu" and not kw
     calls["fused"] += 1
-    out = torch.zeros(hidden_states.shape, dtype=torch.float32)
-    for t in range(hidden_states.shape[0]):
-        row, scale = hidden_states[t:t + 1], d_scale_hidden_states[t:t + 1]
-        for e, w in sorted(zip(expert_routing_table[t].tolist(), router_weights[t].float().tolist())):
-            if not experts_min <= e <= experts_max:
-                continue
-            i = e - experts_min
-            h = fp8_gemm_v2(row, False, w12[i], True, None, torch.float32, scale, d_scale_w12[i], None, False)
-            gate, up = h.to(torch.bfloat16).chunk(2, -1)
-            act = (torch.nn.functional.silu(gate.float()) * up.float()).to(torch.bfloat16)
-            a_fp8, a_scale = ops.dynamic_quant(act)
-            y = fp8_gemm_v2(a_fp8, False, w3[i], True, None, torch.float32, a_scale, d_scale_w3[i], None, False)
-            out[t] += y[0] * torch.tensor(w, dtype=torch.float32)
-    return out.to(torch.bfloat16)
+    return habana.fused_fp8_moe_eager(hidden_states, d_scale_hidden_states, expert_routing_table, router_weights,
+                                      w12, d_scale_w12, w3, d_scale_w3, experts_min, experts_max, ops.FP8_MAX,
+                                      ops.dynamic_quant)
 
 torch.ops.hpu = SimpleNamespace(cast_to_fp8_v2=cast_to_fp8_v2, fp8_gemm_v2=fp8_gemm_v2,
                                 mixture_of_experts=SimpleNamespace(fp8_fused_weights_dynamic=fused_experts))
@@ -142,13 +130,18 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("ep_rank", [0, 1])
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("limit", LIMITS)
-def test_beam_output_is_the_stock_paths_and_the_switch_picks_the_path(runs, limit, ep_rank, tokens):
+def test_beam_output_is_the_stock_ops_and_the_switch_picks_the_path(runs, limit, ep_rank, tokens):
     got, fused_calls = runs["port"][("beam", limit, ep_rank, tokens)]
     want, stock_calls = runs["stock"][("beam", limit, ep_rank, tokens)]
-    assert torch.equal(got, want), (limit, ep_rank, tokens)
     assert stock_calls == 1  # the stock tree always calls the fused op
     gathered = 0 < tokens <= limit
     assert fused_calls == (0 if gathered else 1), (limit, tokens)
+    if not gathered:
+        assert torch.equal(got, want), (limit, ep_rank, tokens)
+        return
+    got, want = got.view(torch.bfloat16).float(), want.view(torch.bfloat16).float()
+    bound = FP8_GEMM_V2_RELATIVE_TOLERANCE * want.abs().amax(-1, keepdim=True)
+    assert ((got - want).abs() <= bound).all(), (limit, ep_rank, tokens, (got - want).abs().amax().item())
 
 
 def test_the_outputs_are_not_trivial(runs):

@@ -1,4 +1,4 @@
-"""A draft the grammar forbids, handed straight to the verifier, is never emitted (issue 23 item 7).
+"""A draft the grammar forbids, handed straight to the verifier, is never emitted.
 
 In a served run vLLM's scheduler trims every draft to its grammar-valid prefix
 (StructuredOutputManager.validate_tokens) before the step, so the verifier never meets a

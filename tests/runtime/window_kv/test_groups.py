@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from beam_hpu.runtime.sliding_window import hpu_window as win
 from beam_hpu.runtime.window_kv import groups as wkv
@@ -141,3 +142,15 @@ def test_grouped_metadata_per_layer_and_step_view():
     assert wkv.primary_group([8, 8, None]) == 2 and wkv.primary_group([8, 8]) == 0
     with pytest.raises(ValueError, match="primary group 2 of 2"):
         wkv.GroupedMetadata([full, sliding], groups, 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_distinct_kv_caches_keeps_each_buffer_once_without_storage_pointers(device):
+    """Nine shared buffers over 54 layers stay nine when every storage pointer is null (lazy HPU
+    tensors report one; meta tensors here), and a view of a buffer counts as that buffer."""
+    buffers = [(torch.zeros(2, 4, device=device), torch.zeros(2, 4, device=device)) for _ in range(9)]
+    per_layer = [buffers[j] for _ in range(6) for j in range(9)]
+    per_layer.append((buffers[3][0][:1], buffers[3][1][:1]))
+    kept = wkv.distinct_kv_caches(per_layer)
+    assert len(kept) == 9 and all(a is b for a, b in zip(kept, buffers))
+

@@ -98,5 +98,18 @@ def test_combine_refuses_metadata_one_build_overwrote():
     groups = steps.StepGroups((("a", ), ("b", )), (8, None))
     persistent = torch.zeros(4)
     outs = [Inputs(1, attn_metadata=SimpleNamespace(slot_mapping=persistent[:2])) for _ in range(2)]
-    with pytest.raises(ValueError, match="group 1's slot_mapping shares storage with group 0's slot_mapping"):
+    with pytest.raises(ValueError, match="group 1's slot_mapping shares a buffer with group 0's slot_mapping"):
         steps.combine_step_inputs(outs, groups)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_disjoint_metadata_never_asks_the_storage_pointer(device):
+    """Lazy HPU tensors report a null storage pointer (as meta tensors do here): separate buffers
+    stay separate, and two views of one buffer are still caught."""
+    separate = [SimpleNamespace(slot_mapping=torch.zeros(4, device=device), block_list=torch.zeros(3, device=device))
+                for _ in range(6)]
+    steps.disjoint_metadata(separate)
+    persistent = torch.zeros(8, device=device)
+    shared = [SimpleNamespace(slot_mapping=persistent[:4]), SimpleNamespace(slot_mapping=persistent[4:])]
+    with pytest.raises(ValueError, match="group 1's slot_mapping shares a buffer with group 0's slot_mapping"):
+        steps.disjoint_metadata(shared)

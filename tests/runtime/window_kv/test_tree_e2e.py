@@ -293,7 +293,7 @@ def test_three_units_serve_exact_windows_step_after_step(trees, beam_config, mon
 
 def test_merged_prefill_through_the_three_units(trees, beam_config, monkeypatch):
     """Merged prefill (VLLM_MERGED_PREFILL): the three units add no error to it. What it reads is
-    not yet exact on this tree with the switch on or off alike (found here, outside issue 26's
+    not yet exact on this tree with the switch on or off alike (found here, outside the window-KV
     units): a merged batch's sliding-window bias lets a request's first tokens see the previous
     request's last W-1 tokens, and a prompt with context in merged mode gives full layers other
     keys than its whole context. The same seed gives the same mismatches in both runs."""
@@ -353,7 +353,7 @@ def test_without_the_cache_unit_there_are_no_window_groups(trees, beam_config, m
 def test_switch_off_takes_the_stock_path_and_reads_full_context(trees, beam_config, monkeypatch):
     """BEAM_WINDOW_KV=0 on the same tree: one full-attention group, plain metadata every step, full
     layers read the whole context and sliding layers their exact window over the full-context
-    tables (beam-exact-window), as the port did before issue 26."""
+    tables (beam-exact-window), as the port does without the window-KV units."""
     s = served_run(trees(), beam_config, 0, 25, monkeypatch, switch="0")
     assert len(s.groups) == 1 and s.grouped_steps == 0 and s.plain_steps > 25
     assert s.mismatches == 0, s.first_mismatch

@@ -1,0 +1,72 @@
+"""Stand-ins for the Habana FP8 ops the tree tests run, each after Habana's own public source
+(HabanaAI/gaudi-pytorch-bridge), cited per op. Written here from those sources, not from the code
+under test: a tree test that compared a port unit with a stand-in doing the unit's own arithmetic
+would prove nothing. Our model of the kernels all the same: nothing here ran on a card.
+
+The card computes float64 as fp32 (the bridge's getInternalDtype); the stand-ins do the same for
+any float64 input. Where a stand-in accumulates in float64 it does so to be exact (e4m3 products
+and their sums over these widths are exact numbers), assuming no summation order, not to model
+the card.
+"""
+from __future__ import annotations
+
+import torch
+
+# tests/pytest_working/compile/test_hpu_fp8_ops.py::test_fp8_gemm_v2 accepts a card result within
+# 15 % of the unquantised product (the integer part of the percentage error at most 15).
+FP8_GEMM_V2_RELATIVE_TOLERANCE = 0.15
+
+
+def _card_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float64 else dtype
+
+
+def cast_to_fp8_v2(x, scale, fp8_max: float, dtype=torch.float8_e4m3fn):
+    """tests/pytest_working/compile/test_hpu_fp8_ops.py::test_cast_to_fp8_v2 (non-stochastic):
+    the card's output equals the FP8 rounding of `input * scale.to(input.dtype)`, the product
+    taken in the input's own dtype. Saturated at the device's range (vllm-gaudi's FP8_MAX)."""
+    in_dtype = _card_dtype(x.dtype)
+    product = x.to(in_dtype) * torch.as_tensor(scale).to(in_dtype)
+    return product.to(torch.float32).clamp(-fp8_max, fp8_max).to(dtype)
+
+
+def fp8_gemm_v2(A, trans_A, B, trans_B, out_dtype, A_scale_inv=None, B_scale_inv=None):
+    """torch.ops.hpu.fp8_gemm_v2 without bias or accumulate: the FP8 operands' product (exact),
+    times the A (row) and B (column) inverse scales, in `out_dtype`."""
+    a = A.double().t() if trans_A else A.double()
+    b = B.double().t() if trans_B else B.double()
+    out = (a @ b).float()
+    if A_scale_inv is not None:
+        out = out * torch.as_tensor(A_scale_inv).float()
+    if B_scale_inv is not None:
+        out = out * torch.as_tensor(B_scale_inv).float().reshape(1, -1)
+    return out.to(out_dtype)
+
+
+def fused_fp8_moe_eager(hidden_fp8, hidden_scale, routing, router_weights, w12, w12_scale, w3, w3_scale,
+                        experts_min: int, experts_max: int, fp8_max: float, dynamic_quant):
+    """mixture_of_experts.fp8_fused_weights_dynamic as the bridge's eager decomposition computes it
+    (`mixture_of_experts_fp8_common_dynamic`, namespace habana::eager): for every local expert in
+    ascending id order, the gate and up GEMMs to bf16, SwiGLU in bf16 (silu(gate) * up), that
+    product quantised per token (scale (amax + 1e-8) / FP8 max, as vllm-gaudi's dynamic_quant),
+    the down GEMM to bf16, times the token's router weight for that expert (0 when it did not
+    route there), added into a bf16 sum. The eager source passes the per-token scale itself to
+    its cast and no A scale to the down GEMM; this stand-in keeps the documented meaning
+    (quantise by the reciprocal, rescale the product by the scale), which a literal reading would
+    not dequantise. hidden_fp8 [T, H]; w12 [E, 2I, H]; w3 [E, H, I]; weights' scales per row."""
+    tokens = hidden_fp8.shape[0]
+    local = experts_max - experts_min + 1
+    padded = torch.zeros(tokens, local, dtype=router_weights.dtype)
+    for t in range(tokens):
+        for e, w in zip(routing[t].tolist(), router_weights[t].tolist()):
+            if experts_min <= e <= experts_max:
+                padded[t, e - experts_min] = w
+    out = torch.zeros(hidden_fp8.shape, dtype=torch.bfloat16)
+    for i in range(local):
+        gate_up = fp8_gemm_v2(hidden_fp8, False, w12[i], True, torch.bfloat16, hidden_scale, w12_scale[i])
+        gate, up = gate_up.chunk(2, -1)
+        act = torch.nn.functional.silu(gate) * up  # bf16 throughout
+        a_fp8, a_scale = dynamic_quant(act)
+        down = fp8_gemm_v2(a_fp8, False, w3[i], True, torch.bfloat16, a_scale, w3_scale[i])
+        out += down * padded[:, i:i + 1].to(torch.bfloat16)
+    return out

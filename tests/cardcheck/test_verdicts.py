@@ -27,7 +27,7 @@ def test_storage_identity_needs_a_pointer_that_views_share():
 def test_fsdpa_tiles_are_judged_where_the_rule_tiles():
     fine = {4096: {"untiled_ms": 10.0, "tiled_ms": 10.5, "calls": 16}, 65536: {"untiled_ms": None, "tiled_ms": 90.0, "calls": 16}}
     assert v.fsdpa_tiles(fine).verdict == "keep"
-    slow = dict(fine, **{16384: {"untiled_ms": 20.0, "tiled_ms": 30.0, "calls": 16}})
+    slow = {**fine, 16384: {"untiled_ms": 20.0, "tiled_ms": 30.0, "calls": 16}}
     assert v.fsdpa_tiles(slow).verdict == "raise BEAM_FSDPA_WS_GIB"
     one_call = {16384: {"untiled_ms": 20.0, "tiled_ms": 30.0, "calls": 1}}  # no tiles: nothing to judge
     assert v.fsdpa_tiles(one_call).verdict == "keep"

@@ -6,9 +6,11 @@
   beam-hpu reference CHECKPOINT (--passages FILE | --text F ...) --out REF.json [--fp8-max 448|240] [--workdir DIR]
                      [--kv-scales DIR]
   beam-hpu calibrate-kv CHECKPOINT (--passages FILE | --text F ...) --out DIR [--fp8-max 240|448] [--workdir DIR]
+  beam-hpu card-check [--quick] [--cpu] [--out FILE]
 
 `tiny` and `demo`: `beam_hpu.demo.serve`; `demo --replicas`: `beam_hpu.replicas.demo`;
-`reference`: `beam_hpu.gates.stored_reference`; `calibrate-kv`: `beam_hpu.reference.kv_calibration`.
+`reference`: `beam_hpu.gates.stored_reference`; `calibrate-kv`: `beam_hpu.reference.kv_calibration`;
+`card-check`: `beam_hpu.cardcheck.run`.
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
     kv_calibration.add_arguments(c)
     c.set_defaults(func=kv_calibration.run_cli)
+    k = sub.add_parser("card-check", help="measure on the Gaudi node each premise a switch waits on and print a "
+                       "verdict per switch (beam_hpu/cardcheck/README.md)")
+    from beam_hpu.cardcheck import run as card_check
+
+    card_check.add_arguments(k)
+    k.set_defaults(func=card_check.run_cli)
     args = parser.parse_args(argv)
     if argv is not None:  # called from Python: the caller gets the exception
         return args.func(args)

@@ -30,6 +30,8 @@ export VLLM_BEAM_ALWAYS_CONSTRAIN_OUTPUT=1
 export VLLM_BEAM_STREAM_TOOL_ARGS=1
 export BEAM_EXACT_ROUNDING=0
 export BEAM_PREFILL_INFLIGHT=1
+# Prompt attention tiles only where one FusedSDPA call would pass this bound: `beam-hpu card-check`'s
+# BEAM_FSDPA_Q_TILE / BEAM_FSDPA_WS_GIB verdict says whether the tiles it makes are no slower.
 export BEAM_FSDPA_WS_GIB=2
 export BEAM_FSDPA_Q_TILE=256
 export BEAM_GRAMMAR_DEVICE_MASK=1
@@ -37,7 +39,7 @@ export BEAM_GRAMMAR_DEVICE_MASK=1
 # Verified run. Its gain is a model (benchmarks/decode_model.py) whose premise, that the fused op
 # streams every local expert however few are routed, no card has measured; if the op skips idle
 # experts, gathering makes every single-stream step slower. serving/launch-moe-gather.sh turns it
-# on once a card's single-stream A/B (benchmarks/README.md) says it wins.
+# on once `beam-hpu card-check` on the node says "BEAM_MOE_GATHER: 1 pays".
 export BEAM_MOE_GATHER=0
 # Window-sized KV for the 43 sliding layers (port unit beam-window-kv-cache): off until a card run confirms it.
 export BEAM_WINDOW_KV=0

@@ -109,19 +109,19 @@ class Fleet:
     def restart_router(self, router_cmd: list[str], timeout: float = 120) -> None:
         """Replace the router (e.g. another policy) in front of the same running replicas."""
         if self.router_proc is not None:
-            _stop_group(self.router_proc, signal.SIGTERM)
+            stop_group(self.router_proc, signal.SIGTERM)
         self.layout = dataclasses.replace(self.layout, router_cmd=list(router_cmd))
         self.router_proc = self._spawn(self.layout.router_cmd, dict(os.environ), "router")
         self.wait_router(timeout)
 
     def kill_replica(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Kill replica `index`'s whole process group (SIGKILL: a crash, not a graceful stop)."""
-        _stop_group(self.replica_procs[index], sig)
+        stop_group(self.replica_procs[index], sig)
 
     def discard_replica(self, index: int) -> None:
         """SIGKILL what is left of replica `index`'s group (a dead leader can leave its engine core
         behind, a hung one answers nothing) and reap it, so a new one can take its ports."""
-        _stop_group(self.replica_procs[index], signal.SIGKILL, grace=5)
+        stop_group(self.replica_procs[index], signal.SIGKILL, grace=5)
 
     def restart_replica(self, index: int, timeout: float = 600) -> None:
         self.kill_replica(index, signal.SIGTERM)
@@ -133,7 +133,7 @@ class Fleet:
         for p in procs:
             _signal_group(p, signal.SIGTERM)
         for p in procs:
-            _stop_group(p, signal.SIGTERM)
+            stop_group(p, signal.SIGTERM)
         for log in self._logs:
             log.close()
         self._logs.clear()
@@ -228,7 +228,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def _stop_group(proc: subprocess.Popen, sig: int, grace: float = 30) -> None:
+def stop_group(proc: subprocess.Popen, sig: int, grace: float = 30) -> None:
     """Signal the group, wait `grace`, then SIGKILL the group; reap. The group is killed even when
     its leader already exited, so an engine child cannot outlive its `vllm serve`. SIGCONT after the
     signal: a stopped (SIGSTOPped) group would hold a SIGTERM until continued."""

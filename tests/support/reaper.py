@@ -19,6 +19,8 @@ import time
 
 import psutil
 
+from beam_hpu.replicas.supervisor import stop_group as stop_process_group
+
 # What a test-started serving process has in its command line: `vllm serve`, vLLM's engine core
 # and workers (their process titles: VLLM::EngineCore, VLLM::Worker_TP0), vllm-router, and the
 # project's own entry points (beam_hpu.cli demo, tests.support.engine_run).
@@ -42,20 +44,7 @@ def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
     SIGTERM (an engine core) outlives its leader otherwise. Reaps the leader, and the members
     that, orphaned, were reparented to this process (a subreaper)."""
     members = group_members(proc.pid)
-    for sig in (signal.SIGTERM, signal.SIGCONT):  # SIGCONT: a stopped group holds SIGTERM
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
+    stop_process_group(proc, signal.SIGTERM, grace=timeout)
     reap(members)
 
 

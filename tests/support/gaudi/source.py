@@ -1,6 +1,7 @@
 """Run single functions of a (patched) vllm-gaudi source file on CPU, without importing it.
 
-Public vllm-gaudi main does not import against vLLM 0.30.0 (it expects a newer vLLM), so the
+Public vllm-gaudi main 091bbadd does not import against vLLM 0.30.0: it pins vLLM main 14617c2b of
+2026-08-20, a month older than v0.30.0 (ced6857a), whose runner imports it no longer has. So the
 vllm-gaudi fix tests take the functions a fix changes straight from the patched file: the
 function's own source, compiled and run with the few globals it reads given by the test (torch,
 numpy, stand-ins for Habana helpers). What runs is the file's code, patched or stock.

@@ -1,0 +1,212 @@
+"""The measurements behind each verdict, at Beam's real shapes on a card (quick: small shapes, for
+CPU). Each returns a Verdict from beam_hpu.cardcheck.verdicts; on CPU the Habana ops are the
+project's own CPU paths (the dense FP8 pass for the fused MoE op, torch SDPA for FusedSDPA, the
+Gaudi-mode cast for cast_to_fp8_v2), so the figures only show the command works."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from beam_hpu.cardcheck import verdicts
+from beam_hpu.cardcheck.device import Device
+from beam_hpu.quant.rounding import GAUDI2_FP8_MAX, fp32_product_cast_to_fp8, gaudi_cast_to_fp8, per_token_fp8
+
+# Beam-1.0-501B-A23B at the recipe's TP 8 / EP 8 (beam_hpu/model/config.py's published values).
+HIDDEN, MOE_INTERMEDIATE, EXPERTS, TOP_K = 5120, 2560, 256, 8
+LOCAL_EXPERTS = EXPERTS // 8
+Q_HEADS_PER_CARD, HEAD_DIM, CHUNK = 48 // 8, 128, 4096
+# The recipe's launch values of BEAM_FSDPA_Q_TILE and BEAM_FSDPA_WS_GIB (serving/recipe.yaml), used
+# when this process does not set them.
+RECIPE_Q_TILE, RECIPE_WS_GIB = 256, 2.0
+
+
+@dataclass
+class Shapes:
+    hidden: int
+    intermediate: int
+    chunk: int
+    head_dim: int
+    contexts: tuple[int, ...]
+    vocab: int
+    repeats: int
+
+
+FULL = Shapes(HIDDEN, MOE_INTERMEDIATE, CHUNK, HEAD_DIM, (4096, 16384, 65536), 151936, 10)
+QUICK = Shapes(128, 64, 256, 32, (256, 1024, 4096), 512, 3)
+
+
+def _fp8(shape, generator, device):
+    return (torch.randn(*shape, generator=generator) * 60).clamp(-240, 240).to(torch.float8_e4m3fn).to(device)
+
+
+def fp8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| in units of the e4m3 step at |b| (elements above 1e-3 of b's largest)."""
+    a, b = a.float().cpu(), b.float().cpu()
+    keep = b.abs() > 1e-3 * b.abs().max().clamp_min(1e-30)
+    if not bool(keep.any()):
+        return 0.0
+    step = torch.exp2(torch.floor(torch.log2(b[keep].abs())) - 3)
+    return float(((a[keep] - b[keep]).abs() / step).max())
+
+
+def _routing(routed: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk ids [T, 8] as global ids, weights [T, 8]): `routed` distinct local experts (ids below
+    LOCAL_EXPERTS) routed over ceil(routed / 8) tokens, the rest on other cards."""
+    tokens = max(1, -(-routed // TOP_K))
+    ids = torch.full((tokens, TOP_K), LOCAL_EXPERTS, dtype=torch.int64)  # other cards' experts
+    for n in range(routed):
+        ids[n // TOP_K, n % TOP_K] = n
+    others = torch.arange(LOCAL_EXPERTS + 1, LOCAL_EXPERTS + 1 + ids.numel()).reshape(ids.shape)
+    ids = torch.where(ids == LOCAL_EXPERTS, others % (EXPERTS - LOCAL_EXPERTS) + LOCAL_EXPERTS, ids)
+    weights = torch.rand(ids.shape, generator=generator).softmax(-1)
+    return ids, weights
+
+
+def moe(device: Device, shapes: Shapes) -> verdicts.Verdict:
+    from beam_hpu.runtime.fp8.hpu_moe_gather import (cpu_fp8_gemm, dense_fp8_moe, gathered_fp8_moe,
+                                                     hpu_fp8_gemm, local_ids_from_offset)
+
+    g = torch.Generator().manual_seed(0)
+    H, I, E = shapes.hidden, shapes.intermediate, LOCAL_EXPERTS
+    w13, w2 = _fp8((E, 2 * I, H), g, device.name), _fp8((E, H, I), g, device.name)
+    w13s = (torch.rand(E, 2 * I, 1, generator=g) / 50 + 1e-3).to(device.name)
+    w2s = (torch.rand(E, H, 1, generator=g) / 50 + 1e-3).to(device.name)
+
+    def quantise(t):
+        return per_token_fp8(t, GAUDI2_FP8_MAX, exact=False)
+
+    gemm = hpu_fp8_gemm if device.on_card else cpu_fp8_gemm
+    fused_ms, gathered_ms, apart = {}, {}, 0.0
+    for routed in (1, 8, 32):
+        ids, weights = _routing(routed, g)
+        x = (torch.randn(ids.shape[0], H, generator=g) * 3).to(torch.bfloat16).to(device.name)
+        ids, weights = ids.to(device.name), weights.to(torch.bfloat16).to(device.name)
+        local = local_ids_from_offset(ids, 0, E)
+        if device.on_card:
+            def fused():
+                x_fp8, x_scale = quantise(x)
+                return torch.ops.hpu.mixture_of_experts.fp8_fused_weights_dynamic(
+                    hidden_states=x_fp8, expert_routing_table=ids, router_weights=weights,
+                    w12=list(w13.unbind(0)), w3=list(w2.unbind(0)), d_scale_hidden_states=x_scale,
+                    d_scale_w12=list(w13s.unbind(0)), d_scale_w3=list(w2s.unbind(0)), permuted_weights=True,
+                    activation="silu", experts_min=0, experts_max=E - 1)
+        else:  # the fused op's CPU stand-in: the dense pass over every local expert
+            def fused():
+                return dense_fp8_moe(x, w13, w13s, w2, w2s, weights, local, quantise, gemm)
+
+        def gathered():
+            return gathered_fp8_moe(x, w13, w13s, w2, w2s, weights, local, quantise, gemm)
+
+        fused_ms[routed] = device.median_ms(fused, shapes.repeats)
+        gathered_ms[routed] = device.median_ms(gathered, shapes.repeats)
+        apart = max(apart, fp8_steps_apart(gathered(), fused()))
+    return verdicts.moe_gather(fused_ms, gathered_ms, apart)
+
+
+def cast(device: Device, shapes: Shapes) -> verdicts.Verdict:
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, shapes.hidden, generator=g) * 2).to(torch.bfloat16)
+    inv = (GAUDI2_FP8_MAX / (x.abs().amax(-1, keepdim=True) + 1e-8)).to(torch.bfloat16)
+    if device.on_card:
+        got = torch.ops.hpu.cast_to_fp8_v2(x.to("hpu"), inv.to("hpu"), False, False, torch.float8_e4m3fn)[0].cpu()
+    else:  # the stand-in is the Gaudi-mode model itself
+        got = gaudi_cast_to_fp8(x, inv, GAUDI2_FP8_MAX)
+    bits = got.view(torch.uint8)
+    same_as = {name: float((bits == model(x, inv, GAUDI2_FP8_MAX).view(torch.uint8)).float().mean())
+               for name, model in (("input", gaudi_cast_to_fp8), ("fp32", fp32_product_cast_to_fp8))}
+    return verdicts.cast_rounding(same_as["input"], same_as["fp32"])
+
+
+def storage(device: Device, shapes: Shapes) -> verdicts.Verdict:
+    param = torch.nn.Parameter(torch.zeros(64, 64, device=device.name))
+    view = param.data[8:16]
+    device.sync()
+    return verdicts.storage_identity(param.untyped_storage().data_ptr(), view.untyped_storage().data_ptr(),
+                                     view.data_ptr() - param.data_ptr())
+
+
+def fsdpa(device: Device, shapes: Shapes, q_tile: int, ws_gib: float) -> verdicts.Verdict:
+    from beam_hpu.runtime.prefill.hpu_fsdpa_tiles import prefill_attention, sdpa_kernel, tile_rows
+
+    scale = 1 / math.sqrt(shapes.head_dim)
+    if device.on_card:
+        import habana_frameworks.torch.core as htcore
+        from habana_frameworks.torch.hpex.kernels import FusedSDPA
+
+        def kernel(q, k, v, b):
+            return FusedSDPA.apply(q, k, v, b, 0.0, False, scale)
+
+        between = htcore.mark_step
+    else:
+        kernel, between = sdpa_kernel(scale), None
+    g = torch.Generator().manual_seed(2)
+    by_context = {}
+    for ctx in shapes.contexts:
+        keys = ctx + shapes.chunk
+        q = torch.randn(1, Q_HEADS_PER_CARD, shapes.chunk, shapes.head_dim, generator=g).to(torch.bfloat16)
+        k = torch.randn(1, Q_HEADS_PER_CARD, keys, shapes.head_dim, generator=g).to(torch.bfloat16)
+        v = torch.randn(1, Q_HEADS_PER_CARD, keys, shapes.head_dim, generator=g).to(torch.bfloat16)
+        causal = torch.ones(shapes.chunk, keys, dtype=torch.bool).tril(ctx)
+        bias = torch.zeros(1, 1, shapes.chunk, keys).masked_fill(~causal, float("-inf")).to(torch.bfloat16)
+        q, k, v, bias = (t.to(device.name) for t in (q, k, v, bias))
+        rows = tile_rows(shapes.chunk, keys, batch=1, q_heads=Q_HEADS_PER_CARD, q_tile=q_tile, ws_gib=ws_gib)
+        try:
+            untiled = device.median_ms(lambda: kernel(q, k, v, bias), shapes.repeats)
+        except RuntimeError:  # the single call does not fit the device
+            untiled = None
+        tiled = device.median_ms(lambda: prefill_attention(q, k, v, bias, kernel, q_tile=q_tile, ws_gib=ws_gib,
+                                                           between_tiles=between), shapes.repeats)
+        by_context[ctx] = {"untiled_ms": untiled, "tiled_ms": tiled, "calls": -(-shapes.chunk // min(rows, shapes.chunk))}
+    return verdicts.fsdpa_tiles(by_context)
+
+
+def verify(device: Device, shapes: Shapes, batch: int = 4, max_drafts: int = 7, steps: int = 20) -> verdicts.Verdict:
+    from beam_hpu.runtime.speculative.rejection_sampling import verify as verify_step
+
+    rng = random.Random(3)
+    g = torch.Generator().manual_seed(3)
+
+    def step(counts):
+        total = sum(counts)
+        cu = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+        logits = torch.randn(total, shapes.vocab, generator=g)
+        args = [t.to(device.name) for t in (torch.randint(0, shapes.vocab, (total,), generator=g), cu, logits,
+                                            torch.randint(0, shapes.vocab, (batch, 1), generator=g),
+                                            torch.ones(batch), torch.rand(total, generator=g, dtype=torch.float64))]
+        draft, cu, logits, bonus, temperature, uniform = args
+        return lambda: verify_step(draft, counts, max_drafts, cu, None, logits, bonus, all_greedy=False,
+                                   all_random=True, temperature=temperature, generators={}, uniform_probs=uniform)
+
+    device.median_ms(step([max_drafts] * batch), 1)  # warm-up: the full-width step
+    before = device.graph_compilations()
+    ms = {}
+    for _ in range(steps):
+        counts = [rng.randint(1, max_drafts) for _ in range(batch)]
+        ms[sum(counts)] = device.median_ms(step(counts), 1, warmup=0)
+    after = device.graph_compilations()
+    return verdicts.verify_step(None if before is None or after is None else after - before, ms)
+
+
+def window_kv(device: Device, shapes: Shapes, batches=(1, 8, 32)) -> verdicts.Verdict:
+    from types import SimpleNamespace
+
+    from beam_hpu.runtime.window_kv.hpu_steps import StepGroups, combine_step_inputs
+
+    names = tuple(tuple(f"layer{g}.{j}" for j in range(9)) for g in range(6))
+    groups = StepGroups(names, (512,) * 5 + (None,))
+    build_ms = {}
+    for batch in batches:
+        tokens = torch.arange(batch)
+
+        def outs():
+            return [SimpleNamespace(num=batch, token_ids=tokens, attn_metadata=SimpleNamespace(
+                block_list=torch.zeros(batch * 8, dtype=torch.int32, device=device.name),
+                slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device.name))) for _ in range(6)]
+
+        built = [outs() for _ in range(shapes.repeats + 2)]
+        build_ms[batch] = device.median_ms(lambda: combine_step_inputs(built.pop(), groups), shapes.repeats)
+    return verdicts.window_kv_build(build_ms)

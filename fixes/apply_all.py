@@ -70,18 +70,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     print("\n".join(report.lines))
     if args.explain:
-        print("\n".join(explain_lines(profile, report)))
+        print("\n".join(explain_lines(profile, report, _pairs(args.checkout, "--checkout"))))
     return report.exit_code
 
 
-def explain_lines(profile, report) -> list[str]:
+def explain_lines(profile, report, checkouts: dict[str, str] | None = None) -> list[str]:
     if report.exit_code == EXIT_IMAGE:
         return ["explain: nothing planned (the image check refused the trees)"]
     names = [u.name for u in profile.fixes]
     out = []
     for refused in report.refused_edits:
         earlier = list(profile.fixes[:names.index(refused.fix)])
-        out += explain(refused, earlier).report()
+        unit = profile.fixes[names.index(refused.fix)]
+        out += explain(refused, earlier, (checkouts or {}).get(unit.package)).report()
     return out or ["explain: no refused edit"]
 
 

@@ -6,7 +6,10 @@ it occurs nowhere, the most similar region of the target file (difflib's ratio o
 anchor's length, indentation ignored) with a unified diff of anchor vs region, the anchor's exact
 occurrences in the package's other files, and, when nothing in the target is close or the file is
 gone, their most similar region; anchor lines that only an earlier fix writes; and whether an
-older form of this fix is there (its marker `beam-hpu fix NAME` around different text).
+older form of this fix is there (its marker `beam-hpu fix NAME` around different text). When the
+target is in a git checkout (the package root, or `--checkout`), each similar region names the
+newest commit of the checkout's first-parent line that changed it: on a release branch the
+squash-merged PR "... (#N)", on a tree built by merging PRs the merge of that PR.
 
 Nothing here changes a file or decides that a fuzzy match is good enough: the engine applies an
 edit only when its anchor occurs exactly once, and this module only describes why it did not.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +61,7 @@ class Explanation:
     anchor: str = ""
     replacement: str = ""
     missing: bool = False  # the target file does not exist
+    changed_by: dict[str, str] = field(default_factory=dict)  # region place -> newest commit there
 
     def summary(self) -> str:
         """One line: where the anchor went."""
@@ -85,6 +90,10 @@ class Explanation:
             head += " (next: " + "; ".join(f"{r.first}-{r.last} {r.ratio:.2f}" for r in self.runners_up) + ")"
         return head
 
+    def _changed(self, region: Region) -> list[str]:
+        by = self.changed_by.get(region.place())
+        return [f"    last changed there by: {by}"] if by else []
+
     def best(self) -> Region | None:
         candidates = [r for r in [self.nearest, *self.elsewhere] if r is not None]
         return max(candidates, key=lambda r: r.ratio, default=None)
@@ -107,8 +116,10 @@ class Explanation:
             out.append(f"  most similar region: {best.place()} ratio {best.ratio:.2f}"
                        + (" (weak: the anchor's text may be gone)" if best.ratio < CLOSE else ""))
             out += ["    " + line for line in _diff(self.anchor, best, "anchor")]
-            out += [f"  next most similar in the target: {r.place()} ratio {r.ratio:.2f}"
-                    for r in self.runners_up]
+            out += self._changed(best)
+            for region in self.runners_up:
+                out.append(f"  next most similar in the target: {region.place()} ratio {region.ratio:.2f}")
+                out += self._changed(region)
         elif best is None and not self.occurrences:
             out.append("  no similar region in the target file or the package")
         if self.markers:
@@ -125,11 +136,12 @@ class Explanation:
         return out
 
 
-def explain(refused: RefusedEdit, earlier: list[FixUnit] = ()) -> Explanation:
+def explain(refused: RefusedEdit, earlier: list[FixUnit] = (), checkout: str | None = None) -> Explanation:
     """Describe one refused edit. `earlier`: the units planned before it (a line of the anchor
     that the planned text lacks and one of their replacements has shows the anchor depends on
     them). Places are looked for in the file as it is on disk, so their line numbers are the
-    ones the operator sees; the plan's text (earlier fixes applied) only decides the refusal."""
+    ones the operator sees; the plan's text (earlier fixes applied) only decides the refusal.
+    `checkout`: the git checkout the package was installed from, when its root is not one."""
     edit = refused.edit
     text = refused.on_disk if refused.on_disk is not None else refused.text
     result = Explanation(refused.fix, refused.index, edit.file, refused.why,
@@ -152,7 +164,38 @@ def explain(refused: RefusedEdit, earlier: list[FixUnit] = ()) -> Explanation:
         best = result.nearest.ratio if result.nearest else 0.0
         result.elsewhere = _search_package(refused.root, edit.file, edit.anchor,
                                            fuzzy_above=best if best < CLOSE else None)
+    if text is not None and not result.occurrences:
+        path = Path(checkout or refused.root) / edit.file
+        for region in [r for r in [result.nearest, *result.runners_up] if r is not None]:
+            by = newest_change(path, region.first, region.last)
+            if by:
+                result.changed_by[region.place()] = by
     return result
+
+
+# The first-parent commits looked at for the newest change of a region: a release branch's recent
+# PRs, or every merge of a tree built from a base and a list of PRs.
+NEWEST_CHANGE_DEPTH = 64
+
+
+def newest_change(path: Path, first: int, last: int) -> str:
+    """"<short commit> <subject>" of the newest commit on HEAD's first-parent line that brought
+    any of lines first..last of `path` (within NEWEST_CHANGE_DEPTH commits); "" when `path` is
+    not in a git checkout or the lines are older."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(path.parent), *args], capture_output=True, text=True)
+
+    blame = git("blame", "--porcelain", "-L", f"{first},{last}", "--", path.name)
+    if blame.returncode != 0:
+        return ""
+    commits = {line.split()[0] for line in blame.stdout.splitlines()
+               if len(line) > 40 and all(c in "0123456789abcdef" for c in line[:40])}
+    line = git("rev-list", "--first-parent", "-n", str(NEWEST_CHANGE_DEPTH + 1), "HEAD").stdout.split()
+    for index, commit in enumerate(line[:NEWEST_CHANGE_DEPTH]):
+        parent = line[index + 1] if index + 1 < len(line) else None
+        if any(parent is None or git("merge-base", "--is-ancestor", c, parent).returncode != 0 for c in commits):
+            return git("log", "-1", "--format=%h %s", commit).stdout.strip()
+    return ""
 
 
 def nearest_region(file: str, text: str, needle: str) -> Region | None:

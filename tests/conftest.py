@@ -7,6 +7,7 @@ import torch
 
 from tests.support.gaudi_tree import MISSING, ensure_gaudi_fixes_root
 from tests.support.reaper import become_subreaper, reap_leftovers
+from tests.support.release_proxy import ensure_release_proxy_root
 
 from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
 from beam_hpu.tiny.fp8_checkpoint import write_tiny_fp8_checkpoint
@@ -14,9 +15,11 @@ from beam_hpu.tiny.checkpoint import CONDITIONED_POST_NORM_GAIN, write_tiny_chec
 
 PRESET, SEED = "small", 0
 
-# Before any test module reads it: the Gaudi-side tests run on ../shared's vllm-gaudi tree when the
-# caller named none (tests/support/gaudi_tree.py).
+# Before any test module reads them: the Gaudi-side tests run on the cached 091bbadd checkout (or one
+# made from GAUDI_GIT) when the caller named none (tests/support/gaudi_tree.py), and on the release
+# proxy where it differs (tests/support/release_proxy.py).
 ensure_gaudi_fixes_root()
+ensure_release_proxy_root()
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One worker per core (`-n 2`): a worker's own torch work (the transformers oracle, training

@@ -12,9 +12,8 @@ import ast
 import pytest
 
 from fixes.engine import EXIT_OK, run
-from fixes.profile import load_profile
 from tests.support.gaudi.fix_trees import tree_digest
-from tests.support.gaudi.tree import PROFILE, apply_fixes, copy_tree, gaudi_units, run_stubbed
+from tests.support.gaudi.tree import PROFILE, apply_fixes, copy_tree, gaudi_units, run_stubbed, tree_profile
 
 pytestmark = pytest.mark.gaudi_tree
 
@@ -29,7 +28,7 @@ def test_apply_twice_and_every_file_parses(gaudi_tree):
     first = apply_fixes(root, checkouts)
     assert first.exit_code == EXIT_OK, first.lines
     assert set(first.states.values()) == {"applied"}, first.lines
-    for unit in load_profile(PROFILE).fixes:
+    for unit in tree_profile(PROFILE).fixes:
         for rel in unit.files if unit.package == "vllm_gaudi" else []:
             ast.parse((root / rel).read_text())
     before = tree_digest(root)
@@ -37,8 +36,8 @@ def test_apply_twice_and_every_file_parses(gaudi_tree):
     assert second.exit_code == EXIT_OK
     assert set(second.states.values()) == {"already applied"}, second.lines
     assert tree_digest(root) == before
-    assert run(load_profile(PROFILE), roots={"vllm_gaudi": str(root)}, checkouts=checkouts,
-               only=gaudi_units(load_profile(PROFILE)), check=True).exit_code == EXIT_OK
+    assert run(tree_profile(PROFILE), roots={"vllm_gaudi": str(root)}, checkouts=checkouts,
+               only=gaudi_units(tree_profile(PROFILE)), check=True).exit_code == EXIT_OK
 
 
 MOE_CALL = """
@@ -70,6 +69,7 @@ def forward(overloads, static):
     op = ops.VllmMixtureOfExpertsOpFP8PerChannel.__new__(ops.VllmMixtureOfExpertsOpFP8PerChannel)
     torch.nn.Module.__init__(op)
     op.num_experts, op.experts_min, op.experts_max = 2, 0, 1
+    op.is_gated = True  # what __init__ sets where forward reads it (the release's non-gated experts)
     op._get_extra_kwargs = lambda tokens: {}
     op._cached_w13_views = op._cached_w2_views = (torch.zeros(1),) * 2
     op._cached_w13_scale_views = op._cached_w2_scale_views = (torch.ones(1),) * 2

@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 
 from fixes.engine import EXIT_OK
-from fixes.profile import load_profile
 from tests.support.gaudi.fix_trees import apply_all, tree_digest
-from tests.support.gaudi.tree import PROFILE, copy_tree
+from tests.support.gaudi.tree import PROFILE, TREE_PROFILES_DIR, copy_tree, tree_profile
 
 pytestmark = pytest.mark.gaudi_tree
 
 
 def test_whole_profile_applies_all_twelve_then_finds_them_applied(vllm_tree, tmp_path):
     gaudi_root, checkouts = copy_tree(tmp_path / "gaudi")
-    names = [u.name for u in load_profile(PROFILE).fixes]
-    assert len(names) == 12 and all(u.edits for u in load_profile(PROFILE).fixes)
-    args = ["--profile", PROFILE, "--root", f"vllm={vllm_tree}", "--root", f"vllm_gaudi={gaudi_root}"]
+    names = [u.name for u in tree_profile(PROFILE).fixes]
+    assert len(names) == 12 and all(u.edits for u in tree_profile(PROFILE).fixes)
+    args = ["--profiles-dir", str(TREE_PROFILES_DIR), "--profile", PROFILE, "--root", f"vllm={vllm_tree}",
+            "--root", f"vllm_gaudi={gaudi_root}"]
     args += [f"--checkout={m}={d}" for m, d in checkouts.items()]
 
     def fix_lines(out: str) -> list[str]:

@@ -10,10 +10,9 @@ import ast
 import pytest
 
 from fixes.engine import EXIT_OK, run
-from fixes.profile import load_profile
 from tests.support.gaudi.fix_trees import tree_digest
 from tests.support.gaudi.source import RUNNER
-from tests.support.gaudi.tree import PORT_PROFILE, PORT_UNITS, apply_port, copy_tree, gaudi_units
+from tests.support.gaudi.tree import PORT_PROFILE, PORT_UNITS, apply_port, copy_tree, gaudi_units, tree_profile
 
 pytestmark = pytest.mark.gaudi_tree
 
@@ -33,7 +32,7 @@ def test_port_profile_applies_once_parses_and_checks(tmp_path):
     assert tree_digest(root) == before
     assert apply_port(root, checkouts, check=True).exit_code == EXIT_OK
     # Both stamps are fresh: the v0.30.0 profile's own --check passes on the port's tree.
-    base = load_profile(PORT_PROFILE).base
+    base = tree_profile(PORT_PROFILE).base
     assert run(base, roots={"vllm_gaudi": str(root)}, checkouts=checkouts,
                only=[n for n in gaudi_units(base)], check=True).exit_code == EXIT_OK
 
@@ -53,6 +52,6 @@ def test_v030_profile_still_finds_its_fixes_after_the_port(tmp_path):
     edits must leave every v0.30.0 replacement intact (found "already applied")."""
     root, checkouts = copy_tree(tmp_path / "site")
     assert apply_port(root, checkouts).exit_code == EXIT_OK
-    base = load_profile(PORT_PROFILE).base
+    base = tree_profile(PORT_PROFILE).base
     again = run(base, roots={"vllm_gaudi": str(root)}, checkouts=checkouts, only=gaudi_units(base))
     assert again.exit_code == EXIT_OK and set(again.states.values()) == {"already applied"}, again.lines

@@ -87,7 +87,7 @@ def moe(x):
     method.weight_quant, method.block_quant, method.static_input_scales = channel, False, False
     layer = torch.nn.Module()
     layer.local_num_experts = layer.global_num_experts = E
-    layer.moe_config = SimpleNamespace(ep_rank=0)
+    layer.moe_config = SimpleNamespace(ep_rank=0, is_act_and_mul=True)  # vLLM FusedMoEConfig: gated SwiGLU
     layer.w13_weight, layer.w2_weight = fp8((E, 2 * I, H)), fp8((E, H, I))
     layer.w13_weight_scale = torch.rand(E, 2 * I, 1, generator=g) / 100
     layer.w2_weight_scale = torch.rand(E, H, 1, generator=g) / 100

@@ -81,7 +81,7 @@ def layer_for(model, ep_rank, ep_size, seed):
     method.weight_quant, method.block_quant, method.static_input_scales = channel, False, False
     layer = torch.nn.Module()
     layer.local_num_experts, layer.global_num_experts = E_LOCAL, E_LOCAL * ep_size
-    layer.moe_config = SimpleNamespace(ep_rank=ep_rank, is_sequence_parallel=False)
+    layer.moe_config = SimpleNamespace(ep_rank=ep_rank, is_sequence_parallel=False, is_act_and_mul=True)
     layer.top_k, layer.use_grouped_topk, layer.custom_routing_function = TOP_K, False, None
     layer.activation = "silu"
     layer.w13_weight, layer.w2_weight = fp8(E_LOCAL, 2 * I, H), fp8(E_LOCAL, H, I)

@@ -36,6 +36,14 @@ def prompt_call(path):
     raise AssertionError("no ops.prompt_attention call in HPUAttentionImpl.forward")
 
 
+def module_constants(path, *names) -> dict:
+    """The module-level assignments of `names` the file at `path` has (a tree may lack them)."""
+    nodes = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id in names for t in n.targets)]
+    namespace = run_statements(nodes, path, {})
+    return {n: namespace[n] for n in names if n in namespace}
+
+
 class StandInFusedSDPA:
     """FusedSDPA's role and positional signature; records (q, k, bias) shapes of every call."""
 
@@ -54,8 +62,10 @@ class PromptAttention:
     """Prompt attention with cached context as the tree's files compute it, for one chunk."""
 
     def __init__(self, tree, model_type="beam", bridge_mode="eager"):
+        # enable_fsdpa_q_tiling: the release's own query tiling (VLLM_HPU_FSDPA_Q_TILE_ENABLE), off
+        # unless asked for, as the recipe leaves it; trees before it never read it
         config = SimpleNamespace(model_type=model_type, bridge_mode=bridge_mode, fp32_softmax=False,
-                                 per_token_kv_scaling_support=False)
+                                 per_token_kv_scaling_support=False, enable_fsdpa_q_tiling=False)
         get_config = lambda: config  # noqa: E731
         self.marks = []
         ops_path, utils_path = tree.root / OPS, tree.root / UTILS
@@ -63,7 +73,8 @@ class PromptAttention:
         ops_globals = dict(torch=torch, math=math, get_config=get_config, USING_INC=False,
                            get_kv_fetch_extra_args=fetch_args,
                            htcore=SimpleNamespace(mark_step=lambda: self.marks.append(1)))
-        for name in ("_get_all", "_include_past", "_get_context", "_fsdpa_prompt_attention",
+        ops_globals.update(module_constants(ops_path, "_FSDPA_PLANE_MAX_BYTES"))
+        for name in ("_get_all", "_include_past", "_get_context", "_fsdpa_num_q_tiles", "_fsdpa_prompt_attention",
                      "_naive_prompt_attention", "_flex_prompt_attention"):
             ops_globals[name] = load(ops_path, name, **ops_globals)
         self.ops = SimpleNamespace(prompt_attention=load(ops_path, "prompt_attention", **ops_globals),

@@ -20,12 +20,14 @@ from types import SimpleNamespace
 import pytest
 
 from fixes.engine import EXIT_OK, run
-from fixes.profile import load_profile
+from fixes.profile import PROFILES_DIR, load_profile
 from tests.support.engines import REPO
 from tests.support.gaudi.source import RUNNER
 
 PROFILE = os.environ.get("GAUDI_FIXES_PROFILE", "v0.30.0-public-main")
 PORT_PROFILE = os.environ.get("GAUDI_PORT_PROFILE", "port-beam-1-0-public-main")
+# The release proxy's profiles are written per session outside the checkout (tests/support/release_proxy.py)
+TREE_PROFILES_DIR = Path(os.environ.get("GAUDI_PROFILES_DIR") or PROFILES_DIR)
 # The trained tiny Beam the FP8 tree tests quantise for (its config is what vLLM's ModelConfig reads)
 TINY_BEAM = REPO / "beam_hpu" / "tiny" / "data" / "trained_tiny"
 PORT_UNITS = ["beam-exact-window", "beam-grammar-device-mask", "beam-fsdpa-tiles", "beam-grammar-verify",
@@ -36,6 +38,11 @@ PORT_UNITS = ["beam-exact-window", "beam-grammar-device-mask", "beam-fsdpa-tiles
 def gaudi_root() -> Path:
     """The tree the tests copy (read when a test runs: tests/conftest.py may set it from the cache)."""
     return Path(os.environ["GAUDI_FIXES_ROOT"])
+
+
+def tree_profile(name: str = PROFILE):
+    """A profile of the tree under test (the stand-in's by default, the proxy's under GAUDI_PROFILES_DIR)."""
+    return load_profile(name, TREE_PROFILES_DIR)
 
 
 def gaudi_units(profile) -> list[str]:
@@ -57,13 +64,13 @@ def apply_fixes(root: Path, checkouts: dict[str, str], stock: bool = False):
     """The v0.30.0 profile's vllm-gaudi fixes on the copy at `root` (none when `stock`)."""
     if stock:
         return None
-    profile = load_profile(PROFILE)
+    profile = tree_profile(PROFILE)
     return run(profile, roots={"vllm_gaudi": str(root)}, checkouts=checkouts, only=gaudi_units(profile))
 
 
 def apply_port(root: Path, checkouts: dict[str, str], only=None, check=False):
     """The port profile's vllm-gaudi units (`only` those, default all) on the copy at `root`."""
-    profile = load_profile(PORT_PROFILE)
+    profile = tree_profile(PORT_PROFILE)
     return run(profile, roots={"vllm_gaudi": str(root)}, checkouts=checkouts,
                only=only or gaudi_units(profile), check=check)
 
@@ -72,7 +79,7 @@ def port_tree(dst: Path, port: bool = True, without: tuple[str, ...] = ()) -> Si
     """A copy at `dst` with the port profile applied: every unit, or (port=False) the v0.30.0 ones
     only; less the units `without`. `.port` is True only for the whole port."""
     root, checkouts = copy_tree(dst)
-    only = [n for n in gaudi_units(load_profile(PORT_PROFILE))
+    only = [n for n in gaudi_units(tree_profile(PORT_PROFILE))
             if (port or n not in PORT_UNITS) and n not in without]
     report = apply_port(root, checkouts, only=only)
     assert report.exit_code == EXIT_OK, report.lines

@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from beam_hpu.runtime.window_kv import groups as wkv
@@ -158,3 +159,11 @@ def tree_defragmenter_class(root: Path):
     return module["OnlineDefragmenter"]
 
 
+
+
+def stock_allocation_fails_on_shared_by():
+    """Known divergence of the trees here from releases/v0.30.0: public main 091bbadd's stock
+    initialize_kv_cache reads KVCacheTensor.shared_by, which vLLM 0.30.0 dropped, and so does the
+    release proxy, because the release's migration (#1751) is in no public ref. On the release the
+    stock allocation works; the tests that take the stock path pin this failure instead."""
+    return pytest.raises(AttributeError, match="shared_by")

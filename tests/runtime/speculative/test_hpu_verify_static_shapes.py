@@ -43,8 +43,8 @@ def _on_device(value) -> bool:
 
 
 class DeviceOps(TorchDispatchMode):
-    """(op, input signature, output signature) of every op touching a device (meta) tensor; an op
-    that raised is recorded with output "raised"."""
+    """(op, input signature, output signature) of every op with a device (meta) tensor among its
+    inputs or outputs; an op that raised is recorded with output "raised"."""
 
     def __init__(self):
         super().__init__()
@@ -52,15 +52,14 @@ class DeviceOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not _on_device((args, kwargs)):
-            return func(*args, **kwargs)
-        inputs = _signature((args, kwargs))
         try:
             out = func(*args, **kwargs)
         except Exception:
-            self.ops.append((func, inputs, "raised"))
+            if _on_device((args, kwargs)):
+                self.ops.append((func, _signature((args, kwargs)), "raised"))
             raise
-        self.ops.append((func, inputs, _signature(out)))
+        if _on_device((args, kwargs, out)):  # a host-to-device copy has only its output there
+            self.ops.append((func, _signature((args, kwargs)), _signature(out)))
         return out
 
 

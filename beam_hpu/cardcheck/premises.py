@@ -165,27 +165,49 @@ def fsdpa(device: Device, shapes: Shapes, q_tile: int, ws_gib: float) -> verdict
 
 
 def verify(device: Device, shapes: Shapes, batch: int = 4, max_drafts: int = 7, steps: int = 20) -> verdicts.Verdict:
-    from beam_hpu.runtime.speculative.rejection_sampling import verify as verify_step
+    """The Gaudi verify step with sampled rows (hpu_sampled_verify.verify_drafts) in vllm-gaudi's
+    padded layout of `max_drafts` slots a sequence, over random draft counts 0..max_drafts: one
+    greedy row (-1.0, vllm-gaudi's), the others at Beam's recommended temperature 0.7 / top_p 0.99,
+    the last seeded, always with drafts (its uniforms and noise row drawn by a host generator, the
+    row copied in: a step without seeded drafts leaves that copy out, which is not what is timed)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from beam_hpu.runtime.speculative.hpu_sampled_verify import verify_drafts
 
     rng = random.Random(3)
     g = torch.Generator().manual_seed(3)
+    width = max_drafts + 1
+    temperature = [-1.0] + [0.7] * (batch - 1)
 
     def step(counts):
-        total = sum(counts)
-        cu = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
-        logits = torch.randn(total, shapes.vocab, generator=g)
-        args = [t.to(device.name) for t in (torch.randint(0, shapes.vocab, (total,), generator=g), cu, logits,
-                                            torch.randint(0, shapes.vocab, (batch, 1), generator=g),
-                                            torch.ones(batch), torch.rand(total, generator=g, dtype=torch.float64))]
-        draft, cu, logits, bonus, temperature, uniform = args
-        return lambda: verify_step(draft, counts, max_drafts, cu, None, logits, bonus, all_greedy=False,
-                                   all_random=True, temperature=temperature, generators={}, uniform_probs=uniform)
+        target = torch.tensor([b * width + i if i < n else -1 for b, n in enumerate(counts) for i in range(max_drafts)],
+                              dtype=torch.int32)
+        cu = torch.tensor(counts).cumsum(0).to(torch.int32)
+        metadata = SpecDecodeMetadata(
+            draft_token_ids=torch.randint(0, shapes.vocab, (batch * max_drafts,), generator=g).to(device.name),
+            num_draft_tokens=counts, cu_num_draft_tokens=cu.to(device.name),
+            cu_num_sampled_tokens=(cu + torch.arange(1, batch + 1)).to(device.name),
+            target_logits_indices=target.to(device.name),
+            bonus_logits_indices=torch.tensor([b * width + n for b, n in enumerate(counts)]).to(device.name),
+            logits_indices=torch.arange(batch * width))
+        seeded = {batch - 1: torch.Generator().manual_seed(rng.randrange(1 << 30))}
+        rows = SamplingMetadata(
+            temperature=torch.tensor(temperature).to(device.name), all_greedy=False, all_random=False,
+            top_p=torch.full((batch,), 0.99).to(device.name), top_k=None, generators=seeded,
+            max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=None,
+            presence_penalties=None, repetition_penalties=None, output_token_ids=[[] for _ in range(batch)],
+            allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+        logits = torch.randn(batch * width, shapes.vocab, generator=g).to(torch.bfloat16).to(device.name)
+        bonus = torch.randint(0, shapes.vocab, (batch, 1), generator=g).to(device.name)
+        return lambda: verify_drafts(metadata, logits, rows, bonus)
 
-    device.median_ms(step([max_drafts] * batch), 1)  # warm-up: the full-width step
+    device.median_ms(step([max_drafts] * batch), 1)  # warm-up: the one graph of (batch, max_drafts)
     before = device.graph_compilations()
     ms = {}
     for _ in range(steps):
-        counts = [rng.randint(1, max_drafts) for _ in range(batch)]
+        counts = [rng.randint(0, max_drafts) for _ in range(batch - 1)] + [rng.randint(1, max_drafts)]
         ms[sum(counts)] = device.median_ms(step(counts), 1, warmup=0)
     after = device.graph_compilations()
     return verdicts.verify_step(None if before is None or after is None else after - before, ms)

@@ -10,17 +10,22 @@ around it does not fit the HPU step either:
 - vllm-gaudi marks a greedy request with temperature -1.0 (hpu_input_batch.py), vLLM with 0:
   vLLM's verifier would take those rows for random ones and divide their logits by -1;
 - the runner pads the step's sampling metadata to its logits rows (B * (k+1)), one row per
-  sequence is what the bonus sampler and the verifier read (the unit's runner edit pads to B).
+  sequence is what the bonus sampler and the verifier read (the unit's runner edit pads to B);
+- flattening the real drafts on the device (`nonzero`, boolean masks, index tensors as long as
+  the step's number of drafts) gives every step a shape of its own: under HPU graphs and lazy
+  mode each new draft count compiles again, and each read-back stalls the step.
 
-So, for a batch with sampled rows, in plain torch:
+So, for a batch with sampled rows (`verify_drafts`), with device shapes of (B, k, V) only:
 1. bonus tokens from the runner's own Sampler (temperature, top-k/top-p, seeded generators);
-2. the real draft slots only (`real_draft_slots`), i.e. vLLM's flattened layout;
-3. their target logits processed as vLLM processes drafts' targets: temperature per request
-   (1 for greedy rows), top-k/top-p by vLLM's own `apply_top_k_top_p` (`constrain_targets`);
-4. uniforms in the stream of vLLM's `generate_uniform_probs` (a seeded request draws from its
-   own generator; `uniform_draws` lets it draw on its own device, the host on Gaudi with the fix
-   seeded-sampling) and `beam_hpu.runtime.speculative.rejection_sampling.verify`, the function the CPU
-   path calls.
+2. the target logits of all B * k slots, padding included (`metadata.target_logits_indices`,
+   padding's -1 read as row 0), processed as vLLM processes drafts' targets: temperature per
+   request (1 for greedy rows), top-k/top-p by vLLM's sort-based `apply_top_k_top_p_pytorch`,
+   which never reads a value back (`constrain_targets`);
+3. uniforms in the stream of vLLM's `generate_uniform_probs`, drawn on the host (a seeded
+   request from its own generator, which the fix seeded-sampling keeps on the host), laid out
+   [B, k] there and moved once; the counts move as one [B] tensor;
+4. `beam_hpu.runtime.speculative.rejection_sampling.verify_padded`, the function the CPU path
+   calls too.
 An all-greedy batch goes to the stock verifier unchanged.
 
 What this step cannot do is refused per request before it gets here (`unverifiable_fields`, HTTP
@@ -36,42 +41,41 @@ from typing import Any
 import torch
 
 from beam_hpu.scope import is_beam_model_type
-from beam_hpu.runtime.speculative.rejection_sampling import expand_per_request, uniform_draws, verify
+from beam_hpu.runtime.speculative.rejection_sampling import padded_index, recovery_noise, uniform_draws, verify_padded
 
 # vLLM's Sampler and vllm-gaudi's input batch: temperature below this is a greedy request (-1.0
 # on HPU, 0.0 in vLLM's GPU batch).
 SAMPLING_EPS = 1e-5
 
 
-def real_draft_slots(num_draft_tokens: list[int], width: int, device=None) -> torch.Tensor:
-    """[T] the positions of real drafts in vllm-gaudi's padded layout (sequence b at b*width)."""
-    counts = torch.tensor(num_draft_tokens, dtype=torch.long)
-    if (counts > width).any():
-        raise ValueError(f"a sequence has more drafts ({int(counts.max())}) than the verify step's "
-                         f"{width} slots per sequence")
-    starts = torch.repeat_interleave(torch.arange(len(num_draft_tokens)) * width, counts)
-    ends = counts.cumsum(0)
-    within = torch.arange(int(ends[-1]) if len(ends) else 0) - torch.repeat_interleave(ends - counts, counts)
-    return (starts + within).to(device)
-
-
 def greedy_rows(temperature: torch.Tensor) -> torch.Tensor:
     return temperature < SAMPLING_EPS
 
 
-def constrain_targets(target_logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
-                      temperature: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """[T, V] target logits of the flattened drafts with each request's temperature (1 for greedy
-    rows, whose argmax it keeps), then top-k/top-p as vLLM's sampler applies them. In place."""
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+def constrain_targets(target_logits: torch.Tensor, width: int, temperature: torch.Tensor,
+                      top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """[B * width, V] target logits of the padded slots with each request's temperature (1 for
+    greedy rows, whose argmax it keeps), then top-k/top-p as vLLM's sampler applies them. In place.
+    The sort-based form: vLLM's `apply_top_k_top_p` would take a top-k-only path on some platforms
+    whose shape follows the largest k (read back from the device)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    num_tokens = target_logits.shape[0]
+    def per_slot(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values.unsqueeze(1).expand(-1, width).reshape(-1)
+
     scale = torch.where(greedy_rows(temperature), torch.ones_like(temperature), temperature)
-    target_logits.div_(expand_per_request(scale, cu_num_draft_tokens, num_tokens)[:, None])
-    expand = (lambda values: None if values is None
-              else expand_per_request(values, cu_num_draft_tokens, num_tokens))
-    return apply_top_k_top_p(target_logits, expand(top_k), expand(top_p))
+    target_logits.div_(per_slot(scale).unsqueeze(1))
+    return apply_top_k_top_p_pytorch(target_logits, per_slot(top_k), per_slot(top_p), allow_cpu_sync=False)
+
+
+def padded_uniforms(num_draft_tokens: list[int], width: int, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """[B, width] float32 host uniforms: vLLM's stream (`uniform_draws`, on the host) in the
+    padded layout. float32 because Gaudi has no float64 arithmetic worth the name; the accept
+    test p(d) >= u moves by at most 2^-24."""
+    flat = uniform_draws(sum(num_draft_tokens), num_draft_tokens, generators, "cpu")
+    if flat.numel() == 0:
+        flat = flat.new_zeros(1)
+    return flat[padded_index(num_draft_tokens, width)].reshape(len(num_draft_tokens), width).to(torch.float32)
 
 
 def _unsupported_in_metadata(sampling_metadata) -> list[str]:
@@ -86,8 +90,8 @@ def _unsupported_in_metadata(sampling_metadata) -> list[str]:
 
 
 def verify_step(rejection_sampler, metadata, logits: torch.Tensor, sampling_metadata):
-    """The SamplerOutput of a verify step: the stock verifier for an all-greedy batch, else the
-    steps above. `rejection_sampler` is the runner's (vLLM's RejectionSampler, whose `sampler`
+    """The SamplerOutput of a verify step: the stock verifier for an all-greedy batch, else
+    `verify_drafts`. `rejection_sampler` is the runner's (vLLM's RejectionSampler, whose `sampler`
     draws the bonus tokens), `metadata` the step's SpecDecodeMetadata in vllm-gaudi's layout."""
     if sampling_metadata.all_greedy:
         return rejection_sampler(metadata, None, logits, sampling_metadata)
@@ -97,9 +101,7 @@ def verify_step(rejection_sampler, metadata, logits: torch.Tensor, sampling_meta
     if unsupported:  # unverifiable_fields refuses these requests; reaching here is a bug of ours
         raise ValueError(f"beam-sampled-verify: {', '.join(unsupported)} under speculation on HPU "
                          "are refused per request (beam_hpu.runtime.speculative.hpu_sampled_verify.unverifiable_fields)")
-    num_draft_tokens = list(metadata.num_draft_tokens)
-    batch = len(num_draft_tokens)
-    width = metadata.draft_token_ids.numel() // batch
+    batch = len(metadata.num_draft_tokens)
     rows = replace(
         sampling_metadata, max_num_logprobs=None,
         temperature=sampling_metadata.temperature[:batch],
@@ -109,21 +111,27 @@ def verify_step(rejection_sampler, metadata, logits: torch.Tensor, sampling_meta
         output_token_ids=sampling_metadata.output_token_ids[:batch])
     bonus = rejection_sampler.sampler(logits=logits[metadata.bonus_logits_indices], sampling_metadata=rows,
                                       predict_bonus_token=True).sampled_token_ids
+    return SamplerOutput(sampled_token_ids=verify_drafts(metadata, logits, rows, bonus), logprobs_tensors=None)
+
+
+def verify_drafts(metadata, logits: torch.Tensor, rows, bonus_token_ids: torch.Tensor) -> torch.Tensor:
+    """[B, k + 1] int32 emitted tokens of a verify step in vllm-gaudi's padded layout: `metadata`
+    its SpecDecodeMetadata (draft_token_ids and target_logits_indices [B * k] on the device,
+    num_draft_tokens a host list), `rows` its sampling metadata with one row per sequence,
+    `bonus_token_ids` [B] or [B, 1]. Device tensors have shapes of (B, k, V) only; what depends
+    on the draft counts is made on the host."""
+    num_draft_tokens = [int(n) for n in metadata.num_draft_tokens]
+    batch = len(num_draft_tokens)
+    width = metadata.draft_token_ids.numel() // batch
     device = logits.device
-    slots = real_draft_slots(num_draft_tokens, width, device)
-    draft_token_ids = metadata.draft_token_ids.reshape(-1)[slots].contiguous()
-    target_logits = logits[metadata.target_logits_indices[slots]].to(torch.float32)
-    cu_num_draft_tokens = metadata.cu_num_draft_tokens.to(device)
-    target_logits = constrain_targets(target_logits, cu_num_draft_tokens, rows.temperature, rows.top_k, rows.top_p)
-    uniform = uniform_draws(draft_token_ids.shape[0], num_draft_tokens, rows.generators, device)
-    greedy = greedy_rows(rows.temperature)
-    output = verify(draft_token_ids, num_draft_tokens, width, cu_num_draft_tokens, None, target_logits,
-                    bonus.reshape(-1, 1).contiguous(), all_greedy=False, all_random=not bool(greedy.any()),
-                    temperature=torch.where(greedy, torch.zeros_like(rows.temperature), rows.temperature),
-                    generators=rows.generators, uniform_probs=uniform,
-                    noise_dtype=torch.float64 if getattr(rejection_sampler, "use_fp64_gumbel", False)
-                    else torch.float32)
-    return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
+    # padding slots' target index is -1: read row 0 instead (masked later), no negative indexing
+    target_logits = logits.index_select(0, metadata.target_logits_indices.clamp(min=0)).to(torch.float32)
+    target_logits = constrain_targets(target_logits, width, rows.temperature, rows.top_k, rows.top_p)
+    counts = torch.tensor(num_draft_tokens, dtype=torch.int32).to(device)
+    uniform = padded_uniforms(num_draft_tokens, width, rows.generators).to(device)
+    noise = recovery_noise(num_draft_tokens, logits.shape[-1], rows.generators, torch.float32, device)
+    return verify_padded(metadata.draft_token_ids.reshape(batch, width), counts, target_logits, bonus_token_ids,
+                         greedy=greedy_rows(rows.temperature), uniform_probs=uniform, noise=noise)
 
 
 # ------------------------------------------------------------ what a request may not ask for here

@@ -1,17 +1,16 @@
 """Verification of drafted tokens (speculative decoding) in plain torch, for both platforms.
 
-Why a room of its own (`beam_hpu/speculative/`): the same functions verify drafts on vLLM-CPU
-and on Gaudi, so speculative sampling has one definition, tested once.
+Why a room of its own: the same function verifies drafts on vLLM-CPU and on Gaudi, so speculative
+sampling has one definition, tested once.
+- HPU: vllm-gaudi's verifier is greedy only (`assert sampling_metadata.all_greedy`); the port
+  unit `beam-sampled-verify` sends a Beam verify step with sampled rows through
+  `beam_hpu.runtime.speculative.hpu_sampled_verify`, which calls `verify_padded` here.
 - CPU: vLLM 0.30.0's `vllm/v1/sample/rejection_sampler.py` runs its four steps (greedy accept,
   random accept, per-token expansion, recovered tokens) through JIT-warmup Triton dispatchers
   that vLLM-CPU cannot launch; the runtime patch `cpu-rejection-sampler`
-  (beam_hpu/runtime/speculative/patch_cpu_rejection_sampler.py) routes `rejection_sample` and
-  `expand_batch_to_tokens` here.
-- HPU: vllm-gaudi's verifier is greedy only (`assert sampling_metadata.all_greedy`); the port
-  unit `beam-sampled-verify` sends a Beam verify step with sampled rows through
-  `beam_hpu.runtime.speculative.hpu_sampled_verify`, which calls `verify` here.
-Every tensor is made on the device of the inputs (and a seeded request's generator draws on its
-own device), so the functions run where the logits are.
+  (beam_hpu/runtime/speculative/patch_cpu_rejection_sampler.py) routes `rejection_sample` to
+  `verify` (vLLM's flattened layout, padded on the host, then `verify_padded`) and
+  `expand_batch_to_tokens` to `expand_per_request`.
 
 The algorithm (Leviathan et al. 2023, speculative sampling), per request with drafts d_1..d_n:
 - greedy request: accept d_i while d_i equals the target argmax at i; at the first mismatch emit
@@ -22,8 +21,13 @@ The algorithm (Leviathan et al. 2023, speculative sampling), per request with dr
 - a draft id below 0 (padding) is always rejected.
 Emitted tokens are thereby distributed as the target's p; greedy output equals plain decoding.
 
-Layout (vLLM's): drafts of all requests flattened into [T] with `cu_num_draft_tokens` [B] the
-running end of each request's span; output [B, max_spec_len + 1] int32, unused slots PLACEHOLDER.
+Padded layout (vllm-gaudi's): request b's draft slots are b*k .. b*k+k-1 whatever its own count
+n_b; slots past n_b hold anything and are masked. Every tensor `verify_padded` makes has a shape
+of (B, k, V) only, and it reads no value back to the host: under HPU graphs a shape that followed
+the draft counts would compile a graph per count, and a read-back would stall each step. What
+depends on the counts (which slots are real, where each seeded request's uniforms go) is computed
+on the host from the host list of counts. Output [B, k + 1] int32, PLACEHOLDER after the emitted
+tokens (vLLM's PLACEHOLDER_TOKEN_ID).
 """
 
 from __future__ import annotations
@@ -33,102 +37,54 @@ import torch
 PLACEHOLDER = -1
 
 
-def _spans(cu_num_draft_tokens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(request index [T], position within its request [T]) of every flattened draft token."""
-    ends = cu_num_draft_tokens.long()
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    request = torch.repeat_interleave(torch.arange(len(ends), device=ends.device), counts, output_size=num_tokens)
-    position = torch.arange(num_tokens, device=ends.device) - (ends - counts)[request]
-    return request, position
+def padded_index(num_draft_tokens: list[int], width: int) -> torch.Tensor:
+    """[B * width] host int64: the flattened position (vLLM's layout) of the draft in each padded
+    slot; padding slots point at 0 (any real position: their values are masked)."""
+    if any(n > width for n in num_draft_tokens):
+        raise ValueError(f"a sequence has more drafts ({max(num_draft_tokens)}) than the verify step's "
+                         f"{width} slots per sequence")
+    index, start = [], 0
+    for n in num_draft_tokens:
+        index += list(range(start, start + n)) + [0] * (width - n)
+        start += n
+    return torch.tensor(index, dtype=torch.int64)
 
 
-def _padded(values: torch.Tensor, request: torch.Tensor, position: torch.Tensor, batch: int,
-            width: int, fill) -> torch.Tensor:
-    out = torch.full((batch, width), fill, dtype=values.dtype, device=values.device)
-    out[request, position] = values
-    return out
-
-
-def _write(output: torch.Tensor, rows: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
-           draft_token_ids: torch.Tensor, accepted: torch.Tensor, fallback: torch.Tensor,
-           bonus_token_ids: torch.Tensor) -> None:
-    """Fill output rows `rows` (bool [B]): the accepted prefix of drafts, then the fallback token
-    at the first rejected position, or the bonus token when every draft was accepted."""
-    batch, width = output.shape[0], output.shape[1] - 1
-    num_tokens = draft_token_ids.shape[0]
-    request, position = _spans(cu_num_draft_tokens, num_tokens)
-    counts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
-    drafts = _padded(draft_token_ids.long(), request, position, batch, width, PLACEHOLDER)
-    ok = _padded(accepted, request, position, batch, width, False)
-    fall = _padded(fallback.long(), request, position, batch, width, PLACEHOLDER)
-    num_accepted = torch.cumprod(ok.long(), dim=1).sum(dim=1)  # length of the accepted prefix
-    device = output.device
-    slots = torch.arange(width + 1, device=device)
-    row = torch.full((batch, width + 1), PLACEHOLDER, dtype=torch.long, device=device)
-    row[:, :width] = torch.where(slots[:width] < num_accepted[:, None], drafts, PLACEHOLDER)
-    stop = bonus_token_ids.reshape(-1).long().clone()
-    rejected = torch.nonzero(num_accepted < counts)[:, 0]
-    stop[rejected] = fall[rejected, num_accepted[rejected]]
-    row[torch.arange(batch, device=device), num_accepted] = stop
-    output[rows] = row[rows].to(output.dtype)
-
-
-def greedy_verify(output: torch.Tensor, cu_num_draft_tokens: torch.Tensor, draft_token_ids: torch.Tensor,
-                  target_argmax: torch.Tensor, bonus_token_ids: torch.Tensor,
-                  is_greedy: torch.Tensor | None, uniform_probs: torch.Tensor | None = None,
-                  synthetic_conditional_rates: torch.Tensor | None = None) -> None:
-    """Greedy rows (all when is_greedy is None) of `output`, in place.
-
-    Synthetic mode (vLLM's benchmark aid, `rejection_sample_method="synthetic"`): a draft is
-    accepted with the given conditional rate at its position instead of by comparison."""
-    if synthetic_conditional_rates is not None:
-        _, position = _spans(cu_num_draft_tokens, draft_token_ids.shape[0])
-        accepted = (uniform_probs < synthetic_conditional_rates[position]) & (draft_token_ids >= 0)
-    else:
-        accepted = draft_token_ids.long() == target_argmax.long()
-    all_rows = torch.ones(output.shape[0], dtype=torch.bool, device=output.device)
-    rows = all_rows if is_greedy is None else is_greedy.bool()
-    _write(output, rows, cu_num_draft_tokens, draft_token_ids, accepted, target_argmax, bonus_token_ids)
+def _at_drafts(values: torch.Tensor, draft_token_ids: torch.Tensor) -> torch.Tensor:
+    """values[..., d] for each draft d (a draft below 0 reads token 0; callers mask it)."""
+    return values.gather(-1, draft_token_ids.long().clamp(min=0).unsqueeze(-1)).squeeze(-1)
 
 
 def random_accepts(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                    target_probs: torch.Tensor, uniform_probs: torch.Tensor) -> torch.Tensor:
-    """Bool [T]: u <= min(1, p(d) / q(d)) for each draft d (q = 1 without draft probs; q(d) = 0
-    or a padded d < 0 rejects). p(d) = 0 always rejects, even for u == 0: a token a grammar masked
-    to -inf is accepted with probability 0, not 2^-53."""
-    valid = draft_token_ids >= 0
-    index = draft_token_ids.long().clamp(min=0)[:, None]
-    p = target_probs.gather(1, index)[:, 0].double()
-    q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(1, index)[:, 0].double()
-    return valid & (q > 0) & (p > 0) & (p >= uniform_probs.double() * q)
-
-
-def random_verify(output: torch.Tensor, cu_num_draft_tokens: torch.Tensor, draft_token_ids: torch.Tensor,
-                  draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                  bonus_token_ids: torch.Tensor, recovered_token_ids: torch.Tensor,
-                  uniform_probs: torch.Tensor, is_greedy: torch.Tensor | None,
-                  synthetic_conditional_rates: torch.Tensor | None = None) -> None:
-    """Random-sampling rows (is_greedy False; all when None) of `output`, in place."""
-    if synthetic_conditional_rates is not None:
-        _, position = _spans(cu_num_draft_tokens, draft_token_ids.shape[0])
-        accepted = (uniform_probs < synthetic_conditional_rates[position]) & (draft_token_ids >= 0)
-    else:
-        accepted = random_accepts(draft_token_ids, draft_probs, target_probs, uniform_probs)
-    all_rows = torch.ones(output.shape[0], dtype=torch.bool, device=output.device)
-    rows = all_rows if is_greedy is None else ~is_greedy.bool()
-    _write(output, rows, cu_num_draft_tokens, draft_token_ids, accepted, recovered_token_ids,
-           bonus_token_ids)
+    """Bool, the drafts' shape: u <= min(1, p(d) / q(d)) for each draft d (q = 1 without draft
+    probs; q(d) = 0 or a padded d < 0 rejects), compared in the uniforms' dtype. p(d) = 0 always
+    rejects, even for u == 0: a token a grammar masked to -inf is accepted with probability 0."""
+    p = _at_drafts(target_probs, draft_token_ids).to(uniform_probs.dtype)
+    q = torch.ones_like(p) if draft_probs is None else _at_drafts(draft_probs, draft_token_ids).to(p.dtype)
+    return (draft_token_ids >= 0) & (q > 0) & (p > 0) & (p >= uniform_probs * q)
 
 
 def residual(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
              target_probs: torch.Tensor) -> torch.Tensor:
-    """[T, V] unnormalised max(p - q, 0); without draft probs q is the point mass at the draft."""
+    """[..., V] unnormalised max(p - q, 0); without draft probs q is the point mass at the draft
+    (a draft below 0 has none: p unchanged)."""
     if draft_probs is not None:
         return (target_probs - draft_probs).clamp(min=0)
-    out = target_probs.clone()
-    drafted = torch.nonzero(draft_token_ids >= 0)[:, 0]
-    out[drafted, draft_token_ids[drafted].long()] = 0
-    return out
+    index = draft_token_ids.long().clamp(min=0).unsqueeze(-1)
+    kept = torch.where(draft_token_ids.unsqueeze(-1) >= 0, torch.zeros_like(target_probs[..., :1]),
+                       target_probs.gather(-1, index))
+    return target_probs.scatter(-1, index, kept)
+
+
+def recovered_tokens(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                     target_probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """[B, k] a draw from norm(max(p - q, 0)) at every draft slot (probs [B, k, V]): argmax of
+    weight / E with E ~ Exp(1) picks index i with probability weight_i / sum(weight) (the
+    exponential race). One noise row [V] per request (noise [B, V]) is enough: only a request's
+    first rejected slot uses its draw."""
+    weights = residual(draft_token_ids, draft_probs, target_probs)
+    return (weights.to(noise.dtype) / noise.unsqueeze(1)).argmax(dim=-1)
 
 
 def recovery_noise(num_draft_tokens: list[int], vocab_size: int, generators: dict[int, torch.Generator],
@@ -167,17 +123,6 @@ def uniform_draws(num_tokens: int, num_draft_tokens: list[int], generators: dict
     return uniform
 
 
-def recovered_tokens(cu_num_draft_tokens: torch.Tensor, draft_token_ids: torch.Tensor,
-                     draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                     noise: torch.Tensor) -> torch.Tensor:
-    """[T] a draw from norm(max(p - q, 0)) at every draft position: argmax of weight / E with E
-    ~ Exp(1) picks index i with probability weight_i / sum(weight) (the exponential race). One
-    noise row per request is enough: only a request's first rejected position uses its draw."""
-    request, _ = _spans(cu_num_draft_tokens, draft_token_ids.shape[0])
-    weights = residual(draft_token_ids, draft_probs, target_probs)
-    return (weights.to(noise.dtype) / noise[request]).argmax(dim=-1).to(draft_token_ids.dtype)
-
-
 def expand_per_request(values: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
                        replace_from=0, replace_to=0) -> torch.Tensor:
     """[B] -> [num_tokens]: each request's value repeated over its tokens, with replace_from
@@ -189,28 +134,93 @@ def expand_per_request(values: torch.Tensor, cu_num_tokens: torch.Tensor, num_to
     return torch.repeat_interleave(swapped, counts, output_size=num_tokens)
 
 
+def emitted_tokens(draft_token_ids: torch.Tensor, valid: torch.Tensor, accepted: torch.Tensor,
+                   fallback: torch.Tensor, bonus_token_ids: torch.Tensor) -> torch.Tensor:
+    """[B, k + 1] int32: each request's accepted prefix of drafts, then the fallback token at its
+    first rejected slot, or its bonus token when every real draft was accepted; PLACEHOLDER after.
+    `valid` [B, k] marks the real slots; `accepted` [B, k] is true at accepted real slots only."""
+    batch, width = draft_token_ids.shape
+    bonus = bonus_token_ids.reshape(batch).long()
+    if width == 0:
+        return bonus.unsqueeze(1).to(torch.int32)
+    num_accepted = accepted.to(torch.float32).cumprod(dim=1).sum(dim=1).long()  # the accepted prefix
+    count = valid.long().sum(dim=1)
+    at_stop = fallback.long().gather(1, num_accepted.clamp(max=width - 1).unsqueeze(1)).squeeze(1)
+    stop = torch.where(num_accepted == count, bonus, at_stop)
+    slots = torch.arange(width + 1, device=draft_token_ids.device).unsqueeze(0)
+    drafts = torch.cat([draft_token_ids.long(), torch.full_like(bonus, PLACEHOLDER).unsqueeze(1)], dim=1)
+    placeholder = torch.full_like(drafts, PLACEHOLDER)
+    end = num_accepted.unsqueeze(1)
+    out = torch.where(slots < end, drafts, torch.where(slots == end, stop.unsqueeze(1), placeholder))
+    return out.to(torch.int32)
+
+
+def verify_padded(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor, target_logits: torch.Tensor,
+                  bonus_token_ids: torch.Tensor, *, greedy: torch.Tensor | bool,
+                  uniform_probs: torch.Tensor | None, noise: torch.Tensor | None,
+                  draft_probs: torch.Tensor | None = None,
+                  synthetic_conditional_rates: torch.Tensor | None = None) -> torch.Tensor:
+    """The verify step in the padded layout: [B, k + 1] int32 emitted tokens.
+
+    draft_token_ids [B, k]; num_draft_tokens [B] (a tensor on the logits' device: slot i of
+    request b is real when i < n_b); target_logits [B * k, V] the target's processed logits at
+    the slots (temperature, top-k/top-p applied for random rows); bonus_token_ids [B] or [B, 1];
+    greedy [B] bool per request, or one bool for the whole batch; uniform_probs [B, k] (unless
+    every request is greedy and synthetic mode is off); noise [B, V] Exp(1) (unless all greedy);
+    draft_probs [B * k, V] or None (point-mass drafts). Synthetic mode (vLLM's benchmark aid):
+    a draft is accepted with the given conditional rate at its slot instead of by the rule."""
+    batch, width = draft_token_ids.shape
+    vocab = target_logits.shape[-1]
+    device = target_logits.device
+    valid = torch.arange(width, device=device).unsqueeze(0) < num_draft_tokens.to(device).unsqueeze(1)
+    target_argmax = target_logits.argmax(dim=-1).reshape(batch, width)
+    if synthetic_conditional_rates is not None:
+        chosen = (uniform_probs < synthetic_conditional_rates[:width].unsqueeze(0)) & (draft_token_ids >= 0)
+        greedy_accepts = random_accepted = chosen
+    else:
+        greedy_accepts = draft_token_ids.long() == target_argmax
+    if greedy is True:
+        return emitted_tokens(draft_token_ids, valid, greedy_accepts & valid, target_argmax, bonus_token_ids)
+    target_probs = target_logits.softmax(dim=-1, dtype=torch.float32).reshape(batch, width, vocab)
+    q = None if draft_probs is None else draft_probs.reshape(batch, width, vocab)
+    if synthetic_conditional_rates is None:
+        random_accepted = random_accepts(draft_token_ids, q, target_probs, uniform_probs)
+    recovered = recovered_tokens(draft_token_ids, q, target_probs, noise)
+    if greedy is False:
+        accepted, fallback = random_accepted, recovered
+    else:
+        accepted = torch.where(greedy.unsqueeze(1), greedy_accepts, random_accepted)
+        fallback = torch.where(greedy.unsqueeze(1), target_argmax, recovered)
+    return emitted_tokens(draft_token_ids, valid, accepted & valid, fallback, bonus_token_ids)
+
+
 def verify(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
            cu_num_draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
            target_logits: torch.Tensor, bonus_token_ids: torch.Tensor, *, all_greedy: bool,
            all_random: bool, temperature: torch.Tensor | None, generators: dict[int, torch.Generator],
            uniform_probs: torch.Tensor | None, synthetic_conditional_rates: torch.Tensor | None = None,
            noise_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The whole verify step: [B, max_spec_len + 1] int32 emitted tokens, PLACEHOLDER elsewhere.
+    """`verify_padded` for vLLM's flattened layout (drafts of all requests in [T], target_logits
+    [T, V] processed as vLLM processes them, uniform_probs [T]), as vLLM's `rejection_sample`
+    takes it: the drafts are padded to [B, max_spec_len] slots on the host's index first.
+    `cu_num_draft_tokens` is part of vLLM's signature; the host list of counts says the same."""
+    device = target_logits.device
+    index = padded_index(num_draft_tokens, max_spec_len).to(device)
 
-    `target_logits` [T, V] are the target's processed logits at the draft positions (temperature,
-    top-k/top-p already applied for random rows); `uniform_probs` [T] float64 are needed unless
-    every request is greedy and synthetic mode is off."""
-    output = torch.full((len(num_draft_tokens), max_spec_len + 1), PLACEHOLDER, dtype=torch.int32,
-                        device=target_logits.device)
-    is_greedy = None if all_greedy else temperature == 0
-    if not all_random:
-        greedy_verify(output, cu_num_draft_tokens, draft_token_ids, target_logits.argmax(dim=-1),
-                      bonus_token_ids, is_greedy, uniform_probs, synthetic_conditional_rates)
-        if all_greedy:
-            return output
-    target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
-    noise = recovery_noise(num_draft_tokens, target_probs.shape[-1], generators, noise_dtype, target_probs.device)
-    recovered = recovered_tokens(cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, noise)
-    random_verify(output, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
-                  bonus_token_ids, recovered, uniform_probs, is_greedy, synthetic_conditional_rates)
-    return output
+    def padded(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None:
+            return None
+        if values.shape[0] == 0:  # no drafts at all: every slot is padding
+            values = values.new_zeros((1, *values.shape[1:]))
+        return values.index_select(0, index)
+
+    batch = len(num_draft_tokens)
+    greedy = True if all_greedy else False if all_random else temperature == 0
+    uniform = padded(uniform_probs)
+    noise = None if greedy is True else recovery_noise(num_draft_tokens, target_logits.shape[-1], generators,
+                                                       noise_dtype, device)
+    return verify_padded(
+        padded(draft_token_ids).reshape(batch, max_spec_len),
+        torch.tensor(num_draft_tokens, dtype=torch.int64, device=device), padded(target_logits),
+        bonus_token_ids, greedy=greedy, uniform_probs=None if uniform is None else uniform.reshape(batch, max_spec_len),
+        noise=noise, draft_probs=padded(draft_probs), synthetic_conditional_rates=synthetic_conditional_rates)

@@ -1,5 +1,5 @@
 """The plain functions of the Gaudi verify step with sampled rows (beam_hpu.runtime.speculative.hpu_sampled_verify):
-the padded layout's real draft slots, the drafts' target processing, and which requests it refuses.
+the padded layout's index of drafts, the drafts' target processing, and which requests it refuses.
 The step itself runs on the vllm-gaudi tree in tests/runtime/speculative/test_tree_sampled_verify.py."""
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from beam_hpu.runtime.speculative import hpu_sampled_verify as sv
+from beam_hpu.runtime.speculative.rejection_sampling import padded_index
 
 
-def test_real_draft_slots_skip_the_padding_of_each_sequence():
-    # width 3: sequence 0 has 3 drafts, 1 has 1, 2 none, 3 has 2
-    assert sv.real_draft_slots([3, 1, 0, 2], 3).tolist() == [0, 1, 2, 3, 9, 10]
-    assert sv.real_draft_slots([0, 0], 4).tolist() == []
+def test_padded_index_points_each_slot_at_its_flattened_draft():
+    # width 3: sequence 0 has 3 drafts, 1 has 1, 2 none, 3 has 2; padding slots read position 0
+    assert padded_index([3, 1, 0, 2], 3).tolist() == [0, 1, 2, 3, 0, 0, 0, 0, 0, 4, 5, 0]
+    assert padded_index([0, 0], 2).tolist() == [0, 0, 0, 0]
     with pytest.raises(ValueError, match="more drafts \\(4\\) than the verify step's 3 slots"):
-        sv.real_draft_slots([4], 3)
+        padded_index([4], 3)
 
 
 def test_greedy_rows_are_vllm_gaudis_negative_temperature_and_zero():
@@ -25,15 +26,14 @@ def test_greedy_rows_are_vllm_gaudis_negative_temperature_and_zero():
 
 
 def test_constrain_targets_divides_each_request_and_keeps_greedy_rows():
-    """Request 0 greedy (-1.0, two drafts), request 1 at T=0.5 with top_k 2 (one draft)."""
-    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 2.0], [1.0, 3.0, 2.0]])
-    cu = torch.tensor([2, 3], dtype=torch.int32)
-    out = sv.constrain_targets(logits.clone(), cu, torch.tensor([-1.0, 0.5]), torch.tensor([3, 2]), None)
+    """Padded layout, width 2: request 0 greedy (-1.0), request 1 at T=0.5 with top_k 2."""
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 2.0], [1.0, 3.0, 2.0], [0.0, 1.0, 4.0]])
+    out = sv.constrain_targets(logits.clone(), 2, torch.tensor([-1.0, 0.5]), torch.tensor([3, 2]), None)
     assert torch.equal(out[:2], logits[:2])  # greedy: divided by 1 (not by -1), top_k = vocab
     assert out[2, 0] == float("-inf") and out[2, 1:].tolist() == [6.0, 4.0]
+    assert out[3, 0] == float("-inf") and out[3, 1:].tolist() == [2.0, 8.0]
     # top_p cuts the least likely tokens outside the requested mass
-    p = sv.constrain_targets(torch.tensor([[4.0, 0.0, -4.0]]), torch.tensor([1]), torch.tensor([1.0]), None,
-                             torch.tensor([0.9]))
+    p = sv.constrain_targets(torch.tensor([[4.0, 0.0, -4.0]]), 1, torch.tensor([1.0]), None, torch.tensor([0.9]))
     assert p[0, 0] == 4.0 and p[0, 2] == float("-inf")
 
 

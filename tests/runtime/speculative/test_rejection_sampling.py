@@ -88,26 +88,57 @@ def test_greedy_rows_match_the_definition(seed):
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("with_draft_probs", [False, True])
 def test_random_accept_rule_matches_the_definition_for_given_uniforms(seed, with_draft_probs):
+    """The padded verification against the definition, for given uniforms and noise; the
+    recovered token at each slot is the unit's draw from that noise (its distribution is tested
+    below), so this checks the accept rule, the first rejection and the bonus exactly."""
     drafts, probs, bonus, g = random_case(seed, match=0.4)
     ids, cu = flat(drafts)
+    counts = [len(r) for r in drafts]
+    batch, width, vocab = len(drafts), 4, probs[0].shape[-1]
     n = ids.shape[0]
-    vocab = probs[0].shape[-1]
     uniform = torch.rand(n, generator=g, dtype=torch.float64)
     q = torch.softmax(torch.randn(n, vocab, generator=g), -1) if with_draft_probs else None
-    recovered = torch.randint(0, vocab, (n,), generator=g, dtype=torch.int32)
-    greedy = [bool(x) for x in torch.rand(len(drafts), generator=g) < 0.3]
-    out = torch.full((len(drafts), 5), P, dtype=torch.int32)
+    noise = torch.empty(batch, vocab).exponential_(generator=g)
+    greedy = [bool(x) for x in torch.rand(batch, generator=g) < 0.3]
+    index = rs.padded_index(counts, width)
     target = torch.cat(probs)
-    is_greedy = torch.tensor(greedy)
-    rs.greedy_verify(out, cu, ids, target.argmax(-1), torch.tensor(bonus), is_greedy)
-    rs.random_verify(out, cu, ids, q, target, torch.tensor(bonus), recovered, uniform, is_greedy)
+    padded_q = None if q is None else q[index]
+    out = rs.verify_padded(ids[index].reshape(batch, width), torch.tensor(counts), target.log()[index],
+                           torch.tensor(bonus), greedy=torch.tensor(greedy),
+                           uniform_probs=uniform[index].reshape(batch, width), noise=noise, draft_probs=padded_q)
+    recovered = rs.recovered_tokens(ids[index].reshape(batch, width),
+                                    None if q is None else padded_q.reshape(batch, width, vocab),
+                                    target[index].reshape(batch, width, vocab), noise)
 
     def per_request(t):
-        return None if t is None else list(torch.split(t, [len(r) for r in drafts]))
+        return None if t is None else list(torch.split(t, counts))
 
     expected = reference(drafts, 4, probs, bonus, greedy, [u.tolist() for u in per_request(uniform)],
-                         per_request(q), [r.tolist() for r in per_request(recovered)])
+                         per_request(q), [recovered[b, :counts[b]].tolist() for b in range(batch)])
+    assert out.dtype == torch.int32
     assert out.tolist() == expected
+
+
+def test_the_flattened_layout_is_the_padded_verification():
+    """`verify` (vLLM's flattened layout, the CPU path) emits what `verify_padded` emits for the
+    same drafts, uniforms and noise: one implementation of the rule."""
+    drafts, probs, bonus, g = random_case(7, match=0.5)
+    ids, cu = flat(drafts)
+    counts = [len(r) for r in drafts]
+    batch, width, vocab = len(drafts), 4, probs[0].shape[-1]
+    uniform = torch.rand(ids.shape[0], generator=g, dtype=torch.float64)
+    temperature = torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    logits = torch.cat(probs).log()
+    torch.manual_seed(5)
+    flat_out = rs.verify(ids, counts, width, cu, None, logits, torch.tensor(bonus)[:, None], all_greedy=False,
+                         all_random=False, temperature=temperature, generators={}, uniform_probs=uniform)
+    torch.manual_seed(5)
+    noise = torch.empty(batch, vocab).exponential_()
+    index = rs.padded_index(counts, width)
+    padded_out = rs.verify_padded(ids[index].reshape(batch, width), torch.tensor(counts), logits[index],
+                                  torch.tensor(bonus), greedy=temperature == 0,
+                                  uniform_probs=uniform[index].reshape(batch, width), noise=noise)
+    assert torch.equal(flat_out, padded_out)
 
 
 def test_the_accept_rule_at_its_boundary():
@@ -136,8 +167,8 @@ def test_recovered_tokens_are_drawn_from_the_normalised_residual(with_draft_prob
     q = torch.tensor([0.3, 0.1, 0.05, 0.35, 0.2])
     drafts = torch.full((n,), 3, dtype=torch.int32)
     noise = torch.empty(n, vocab).exponential_(generator=g)
-    got = rs.recovered_tokens(torch.arange(1, n + 1, dtype=torch.int32), drafts,
-                              q.expand(n, vocab) if with_draft_probs else None, p.expand(n, vocab), noise)
+    got = rs.recovered_tokens(drafts[:, None], q.expand(n, 1, vocab) if with_draft_probs else None,
+                              p.expand(n, 1, vocab), noise)[:, 0]
     residual = (p - q).clamp(min=0) if with_draft_probs else p.clone().index_fill_(0, torch.tensor([3]), 0)
     expected = residual / residual.sum()
     freq = torch.bincount(got.long(), minlength=vocab).double() / n

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from beam_hpu.loader.checkpoint import TensorEntry
-from beam_hpu.loader.probe import ParamIndex, TensorPlan, Write
+from beam_hpu.loader.param_index import ParamIndex, ParamView, Write
+from beam_hpu.loader.probe import TensorPlan
 from beam_hpu.loader.reader import RangeReader, ReadRequest, byte_view
 from beam_hpu.loader.record import record_writes
 
@@ -49,16 +50,17 @@ def param_units(plans: list[TensorPlan], params: ParamIndex) -> list[Unit]:
     for plan in plans:
         for p in plan.placements:
             unit = by_param.setdefault(p.param, Unit(first_offset=(plan.entry.file, plan.entry.offset)))
-            found = params.find(p.dst)
-            param = found[1] if found else p.dst
-            target = p.dst
+            # A destination that is no parameter is staged as a whole tensor of its own.
+            where = params.find(p.dst) or ParamView(p.param, p.dst, torch.empty(p.dst.shape, device="meta"))
+            param, target = where.param, p.dst
             if needs_staging(param):
                 if p.param not in staging:
                     staging[p.param] = torch.empty(param.shape, dtype=param.dtype, device="cpu")
                     unit.staged_bytes += param.numel() * param.element_size()
                     unit.finish.append(lambda d=param, s=staging[p.param]: d.copy_(s))
-                target = staging[p.param].as_strided(p.dst.shape, p.dst.stride(),
-                                                     p.dst.storage_offset() - param.storage_offset())
+                # The slot's place in the parameter, from the chain of views that made it.
+                layout = where.layout
+                target = staging[p.param].as_strided(layout.shape, layout.stride(), layout.storage_offset())
             if target.is_contiguous() and target.dtype == plan.entry.dtype and tuple(target.shape) == p.src_shape:
                 unit.requests += _requests(plan.entry, p.src_runs, target, packed=True)
             else:  # a dtype cast or a strided slot: read the slice, then let torch copy it in

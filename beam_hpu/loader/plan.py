@@ -12,7 +12,8 @@ import torch
 
 from beam_hpu.loader.checkpoint import Checkpoint, CheckpointError
 from beam_hpu.loader.geometry import overlaps_and_gaps
-from beam_hpu.loader.probe import ParamIndex, TensorPlan, Write, probe_tensor
+from beam_hpu.loader.param_index import ParamIndex, Write
+from beam_hpu.loader.probe import TensorPlan, probe_tensor
 
 MAX_LISTED = 8
 

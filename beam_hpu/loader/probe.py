@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 from beam_hpu.loader.checkpoint import CheckpointError, TensorEntry
 from beam_hpu.loader.geometry import view_runs
+from beam_hpu.loader.param_index import ParamIndex, Write
 
 aten = torch.ops.aten
 # Conversions vLLM does on its own (--dtype); anything else (FP8 into bf16, ints) is a mismatch.
@@ -37,15 +38,6 @@ class Placement:
     src_shape: tuple[int, ...]
     dst: torch.Tensor
     param: str
-
-
-@dataclass
-class Write:
-    """Elements `runs` of parameter `param` (relative to its first element) written by `tensor`."""
-
-    param: str
-    tensor: str
-    runs: list[tuple[int, int]]
 
 
 @dataclass
@@ -67,30 +59,12 @@ class _WholeTensorNeeded(Exception):
     """The loader needs the tensor's values (or a real device) while probing."""
 
 
-class ParamIndex:
-    """Which parameter (or buffer) a real tensor view belongs to, by storage address."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.by_ptr: dict[int, tuple[str, torch.Tensor]] = {}
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.numel() and not t.is_meta:
-                self.by_ptr.setdefault(t.untyped_storage().data_ptr(), (name, t.data))
-
-    def find(self, view: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        return self.by_ptr.get(view.untyped_storage().data_ptr())
-
-    def writes(self, view: torch.Tensor, tensor: str) -> Write | None:
-        found = self.find(view)
-        if found is None:
-            return None
-        name, param = found
-        runs = [(s - param.storage_offset(), n) for s, n in view_runs(view)]
-        return Write(name, tensor, runs)
-
-
 class _ProbeMode(TorchDispatchMode):
-    def __init__(self, base: torch.Tensor):
+    def __init__(self, base: torch.Tensor, params: ParamIndex):
         super().__init__()
+        self.params = params
+        # A meta tensor's storage is a host-side object, never on the device: its identity tells
+        # the checkpoint tensor's views from other meta tensors on any backend.
         self.base_storage = base.untyped_storage()._cdata
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (src view of base, real dst view)
         self.consumed: list[torch.Tensor] = []  # views of base that a computing op read
@@ -113,7 +87,9 @@ class _ProbeMode(TorchDispatchMode):
             return dst
         if not metas:  # real work on real tensors (e.g. zeroing vocab padding rows): run and note it
             self.written.extend(mutated_tensors(func, args, kwargs))
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            self.params.follow(func, args, kwargs, out)  # e.g. param.data.narrow(...)
+            return out
         if len(metas) != len(tensors):
             raise _WholeTensorNeeded(f"{func} mixes the checkpoint tensor with real tensors")
         if not func.is_view:
@@ -137,7 +113,7 @@ def mutated_tensors(func, args, kwargs) -> list[torch.Tensor]:
 def probe_tensor(model: torch.nn.Module, entry: TensorEntry, params: ParamIndex) -> TensorPlan:
     """What `model.load_weights` does with `entry` on this rank, without reading it."""
     base = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
-    mode = _ProbeMode(base)
+    mode = _ProbeMode(base, params)
     plan = TensorPlan(entry)
     try:
         with mode:
@@ -151,7 +127,7 @@ def probe_tensor(model: torch.nn.Module, entry: TensorEntry, params: ParamIndex)
                               f"{type(e).__name__}: {e}") from e
     for src, dst in mode.copies:
         found = params.find(dst)
-        name = found[0] if found else f"<non-parameter tensor {tuple(dst.shape)}>"
+        name = found.name if found else f"<non-parameter tensor {tuple(dst.shape)}>"
         _check_fits(entry, src, dst, name)
         plan.placements.append(Placement(view_runs(src), tuple(src.shape), dst, name))
     plan.writes = [w for w in (params.writes(d, entry.name) for _, d in mode.copies) if w]

@@ -71,8 +71,9 @@ def cast_rounding(equal_to_input_dtype_product: float, equal_to_fp32_product: fl
 
 
 def storage_identity(param_pointer: int, view_pointer: int, view_offset_bytes: int) -> Verdict:
-    """Whether a storage pointer tells a parameter's views apart on this device: the loader's
-    ParamIndex still asks it (window-KV code does not)."""
+    """Whether a storage pointer would tell a parameter's views apart on this device. Nothing of the
+    port asks it any more (the loader follows views at dispatch, window-KV code compares objects):
+    "pointers unusable" confirms that premise, "pointers usable" says it costs nothing here."""
     figures = {"param_pointer_is_zero": param_pointer == 0, "view_shares_storage": view_pointer == param_pointer,
                "view_offset_bytes": view_offset_bytes}
     if param_pointer != 0 and view_pointer == param_pointer:

@@ -12,7 +12,7 @@ import torch
 
 from beam_hpu.runtime.window_kv import groups as wkv
 from beam_hpu.runtime.window_kv import hpu_metadata as wkm
-from tests.support.hpu_graph_hash import bridge_hash, bridge_tensors
+from tests.support.hpu_graph_hash import bridge_hash, bridge_tensors, replay_mismatches
 
 GROUPS = [["full.0", "full.1"], ["slide.0", "slide.1"], ["slide.2"]]
 Trimmed = namedtuple("Trimmed", "block_list window_block_list is_prompt block_size")
@@ -79,3 +79,18 @@ def test_step_config_adds_each_groups_block_counts_for_grouped_metadata_only():
     assert wkm.step_config(cfg, grouped()) == cfg + (((4, 2), (3, 2), (1, 1)), )
     plain = metadata([1, 2, 3, 4], [3, 4])
     assert wkm.step_config(cfg, plain) is cfg
+
+
+def test_the_graph_key_tells_a_view_from_a_tensor_and_a_replay_binds_by_position():
+    """The bridge's key hashes a view's layout (our model of get_view_hash) but no dtype: a view and
+    its copy are two graphs; a same-shaped input of another dtype replays the captured graph, bound
+    by position, which replay_mismatches names."""
+    padded = torch.arange(12, dtype=torch.int32)
+    view, copy = padded[:8], padded[:8].clone()
+    assert bridge_hash((view,)) != bridge_hash((copy,)) and bridge_hash((copy,)) == bridge_hash((copy + 1,))
+    captured = [copy, torch.zeros(3)]
+    assert replay_mismatches(captured, [copy + 1, torch.ones(3)]) == []
+    as_int = [copy, torch.zeros(3, dtype=torch.int64)]
+    assert bridge_hash(as_int) == bridge_hash(captured)
+    assert replay_mismatches(captured, as_int) == ["input 1: (3,) torch.int64 strides (1,), captured (3,) torch.float32 strides (1,)"]
+    assert replay_mismatches(captured, captured[:1]) == ["1 input tensors, the graph was captured with 2"]

@@ -30,7 +30,7 @@ from beam_hpu.runtime.window_kv import groups as wkv
 from tests.support.gaudi.tree import port_tree as patched_tree
 from tests.support.gaudi.window_kv_decode import BS, WINDOW, Cluster
 from tests.support.gaudi.window_kv_forward import TreeRun
-from tests.support.hpu_graph_hash import bridge_tensors
+from tests.support.hpu_graph_hash import bridge_tensors, replay_mismatches
 from tests.support.window_kv.configs import vllm_config as make_vllm_config
 from tests.support.window_kv.oracles import GroupGeometry, group_prefill_context, group_slots, keys_read, window_positions
 
@@ -140,11 +140,20 @@ def test_graph_key_of_grouped_metadata_does_not_depend_on_values(vllm_config, tm
     seqs[0].req.append_output_token_ids(7)
     md = grouped_step(cluster, run, seqs)
     run.run_step(md, md.slot_mapping.numel())
-    other = wkv.GroupedMetadata([run.record_cls(**{f: (v.clone().fill_(0) if torch.is_tensor(v) else v)
+    other = wkv.GroupedMetadata([run.record_cls(**{f: (zeros_like_view(v) if torch.is_tensor(v) else v)
                                                    for f, v in vars(g).items()}) for g in md.groups],
                                 md.group_layer_names, md.primary)
     run.run_step(other, md.slot_mapping.numel())
     assert run.hashes[0][0] == run.hashes[1][0]  # other values, the same shapes: the same graph
+    assert replay_mismatches(run.replay_inputs[0], run.replay_inputs[1]) == []  # and it binds them alike
+
+
+def zeros_like_view(tensor: torch.Tensor) -> torch.Tensor:
+    """Zeros laid out as `tensor` is, a view of a same-shaped base where it is one: the next step's
+    metadata, built the same way with other values (the graph key hashes views too)."""
+    if tensor._base is None:
+        return torch.zeros_like(tensor)
+    return torch.zeros_like(tensor._base).as_strided(tensor.size(), tensor.stride(), tensor.storage_offset())
 
 
 def test_plain_metadata_takes_the_stock_path(vllm_config, tmp_path):

@@ -82,6 +82,7 @@ class TreeRun:
         self.seen = {}  # layer name -> the metadata its attention was handed
         self.model = SimpleNamespace()
         self.hashes = []
+        self.replay_inputs = []  # each step's graph inputs as a replay binds them: by position
 
         def model(input_ids, positions, inputs_embeds=None):
             for layer in self.layers:
@@ -95,6 +96,7 @@ class TreeRun:
         def graph_wrapper(*args, **kwargs):  # what wrap_in_hpu_graph does before it calls forward
             kwargs.pop("bypass_hpu_graphs", False)
             self.hashes.append((bridge_hash((args, kwargs)), bridge_tensors(kwargs["attn_metadata"])))
+            self.replay_inputs.append(bridge_tensors((args, kwargs)))
             return adapter_forward(self.adapter, *args, **kwargs)
 
         self.runner = SimpleNamespace(seen_configs=set(), debug_fwd=None, model_has_chunked_attention=False,

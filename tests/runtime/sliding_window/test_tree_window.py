@@ -96,7 +96,7 @@ def test_beam_decode_window_is_exact(tree, block_size, window):
         wrong += got != want
     if not tree.port:
         assert wrong > 0  # without the port, beam gets vllm-gaudi's block-granular window
-    assert ('if model_type == "beam":' in tree.runner.read_text()) is tree.port
+    assert ("if is_beam_model_type(model_type):" in tree.runner.read_text()) is tree.port
 
 
 def test_other_models_keep_their_decode_window(tree):

@@ -12,6 +12,7 @@ import itertools
 import pytest
 import torch
 
+from beam_hpu.scope import is_beam_model_type
 from tests.support.gaudi.source import RUNNER_CLS, find_def, load, method_body_if, run_block
 from tests.support.gaudi.tree import port_tree_fixture
 
@@ -35,8 +36,8 @@ def verify_rows(tree, ctx_lens, bs, model_type="beam"):
     names = run_block(loop, tree.runner, **names)
     if tree.port:
         patched = method_body_if(tree.runner, "_create_decode_input_data", RUNNER_CLS,
-                                 "num_tokens > 1 and self._get_model_type() == 'beam'")
-        names = run_block(patched, tree.runner, **names)
+                                 "num_tokens > 1 and is_beam_model_type(self._get_model_type())")
+        names = run_block(patched, tree.runner, **names, is_beam_model_type=is_beam_model_type)
     slots = [[int(table[s, (c + j) // bs]) * bs + (c + j) % bs] for s, c in enumerate(ctx_lens) for j in range(n_tokens)]
     return names["block_tables_list"], slots
 

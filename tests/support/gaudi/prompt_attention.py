@@ -32,6 +32,8 @@ def prompt_call(path):
             if (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call)
                     and ast.unparse(stmt.value.func) == "ops.prompt_attention"):
                 start = i - 1 if i and isinstance(body[i - 1], ast.If) and "beam" in ast.unparse(body[i - 1]) else i
+                if start and isinstance(body[start - 1], ast.ImportFrom) and body[start - 1].module == "beam_hpu.scope":
+                    start -= 1  # the port's `if` asks beam_hpu.scope, imported just before it
                 return body[start:i + 1]
     raise AssertionError("no ops.prompt_attention call in HPUAttentionImpl.forward")
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
+from beam_hpu.scope import is_beam_model_type
 from tests.support.gaudi.source import PROCESSOR_CLS, RUNNER_CLS, load, method_body_if, namespace_replace, run_block
 
 
@@ -23,14 +24,14 @@ def prefill_attended(tree, ctx_lens, query_lens, window, block_size, seq_len, co
                           for b, c in enumerate(ctx_lens)]
     names = {"self": runner, "context_blocks": context_blocks, "context_lens": list(ctx_lens)}
     trim = method_body_if(tree.runner, "_form_prefill_batch", RUNNER_CLS,
-                          "self.interleaved_sliding_window and self._get_model_type() == 'beam'")
-    names = run_block(trim, tree.runner, **names)
+                          "self.interleaved_sliding_window and is_beam_model_type(self._get_model_type())")
+    names = run_block(trim, tree.runner, **names, is_beam_model_type=is_beam_model_type)
     gate = method_body_if(tree.runner, "_form_prefill_batch", RUNNER_CLS,
-                          "self.interleaved_sliding_window and self._get_model_type() in ('gemma4', 'beam') "
-                          "and (target_blocks > 0)")
+                          "self.interleaved_sliding_window and target_blocks > 0 and "
+                          "(self._get_model_type() == 'gemma4' or is_beam_model_type(self._get_model_type()))")
     align = load(tree.root / "vllm_gaudi/extension/utils.py", "align_and_pad", itertools=itertools,
                  pad_list=load(tree.root / "vllm_gaudi/extension/utils.py", "pad_list", itertools=itertools))
-    names = run_block(gate, tree.runner, **names, target_blocks=1, target_bs=len(ctx_lens), align_and_pad=align,
+    names = run_block(gate, tree.runner, **names, is_beam_model_type=is_beam_model_type, target_blocks=1, target_bs=len(ctx_lens), align_and_pad=align,
                       itertools=itertools, torch=torch,
                       async_h2d_copy=lambda x, dtype: torch.tensor(x, dtype=dtype))
     window_list = names["window_context_blocks_t"]

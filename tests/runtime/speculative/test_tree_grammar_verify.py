@@ -193,11 +193,11 @@ def test_steps_without_drafts_keep_the_stock_branch(tree):
         beam = SimpleNamespace(_get_model_type=lambda: "beam")
         names = {"grammar_output": object(), "num_decodes": 2, "self": beam,
                  "decode_data": SimpleNamespace(spec_decode_metadata=None)}
-        run_statements(statements[:1], tree.runner, names)
+        run_statements(statements[:2], tree.runner, names)
         assert names["verify_under_grammar"] is False
         names = {"grammar_output": None, "num_decodes": 2, "self": beam,
                  "decode_data": SimpleNamespace(spec_decode_metadata=1)}
-        run_statements(statements[:1], tree.runner, names)
+        run_statements(statements[:2], tree.runner, names)
         assert names["verify_under_grammar"] is False
 
 
@@ -208,7 +208,7 @@ def test_another_model_keeps_the_stock_branch(tree, monkeypatch):
         statements = sample_tokens_statements(tree.runner, tree.port)
         names = {"grammar_output": object(), "num_decodes": 2, "self": SimpleNamespace(_get_model_type=lambda: "llama"),
                  "decode_data": SimpleNamespace(spec_decode_metadata=1)}
-        run_statements(statements[:1], tree.runner, names)
+        run_statements(statements[:2], tree.runner, names)
         assert names["verify_under_grammar"] is False
     with pytest.raises(IndexError):
         run_step(tree, monkeypatch, model_type="llama")

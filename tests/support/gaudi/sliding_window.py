@@ -22,16 +22,17 @@ def prefill_attended(tree, ctx_lens, query_lens, window, block_size, seq_len, co
     if context_blocks is None:
         context_blocks = [list(range(100 * (b + 1), 100 * (b + 1) + math.ceil(c / block_size)))
                           for b, c in enumerate(ctx_lens)]
-    names = {"self": runner, "context_blocks": context_blocks, "context_lens": list(ctx_lens)}
+    names = {"self": runner, "context_blocks": context_blocks, "context_lens": list(ctx_lens),
+             "is_beam_model_type": is_beam_model_type}
     trim = method_body_if(tree.runner, "_form_prefill_batch", RUNNER_CLS,
                           "self.interleaved_sliding_window and is_beam_model_type(self._get_model_type())")
-    names = run_block(trim, tree.runner, **names, is_beam_model_type=is_beam_model_type)
+    names = run_block(trim, tree.runner, **names)
     gate = method_body_if(tree.runner, "_form_prefill_batch", RUNNER_CLS,
                           "self.interleaved_sliding_window and target_blocks > 0 and "
                           "(self._get_model_type() == 'gemma4' or is_beam_model_type(self._get_model_type()))")
     align = load(tree.root / "vllm_gaudi/extension/utils.py", "align_and_pad", itertools=itertools,
                  pad_list=load(tree.root / "vllm_gaudi/extension/utils.py", "pad_list", itertools=itertools))
-    names = run_block(gate, tree.runner, **names, is_beam_model_type=is_beam_model_type, target_blocks=1, target_bs=len(ctx_lens), align_and_pad=align,
+    names = run_block(gate, tree.runner, **names, target_blocks=1, target_bs=len(ctx_lens), align_and_pad=align,
                       itertools=itertools, torch=torch,
                       async_h2d_copy=lambda x, dtype: torch.tensor(x, dtype=dtype))
     window_list = names["window_context_blocks_t"]

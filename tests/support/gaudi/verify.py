@@ -37,13 +37,16 @@ def masked_argmax(row: torch.Tensor, allowed: set[int] | None) -> int:
 
 def sample_tokens_statements(path, port: bool) -> list[ast.stmt]:
     """sample_tokens from the decode forward through the read-back of the sampled tokens (the
-    port's verify_under_grammar assignment first)."""
+    port's verify_under_grammar assignment first, after its import: the first two statements)."""
     body = find_def(ast.parse(path.read_text()), "sample_tokens", RUNNER_CLS).body
     start = next(i for i, n in enumerate(body) if isinstance(n, ast.If) and ast.unparse(n.test) == "num_decodes > 0")
     end = next(i for i, n in enumerate(body) if i > start and isinstance(n, ast.If)
                and ast.unparse(n.test) == "self.use_async_scheduling")
-    head = [n for n in body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "verify_under_grammar"]
-    assert len(head) == (1 if port else 0)
+    at = [i for i, n in enumerate(body) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "verify_under_grammar"]
+    assert len(at) == (1 if port else 0)
+    # the port's assignment asks beam_hpu.scope, imported on the line before it
+    head = [body[at[0] - 1], body[at[0]]] if at else []
+    assert not head or (isinstance(head[0], ast.ImportFrom) and head[0].module == "beam_hpu.scope")
     return head + body[start:end + 1]
 
 

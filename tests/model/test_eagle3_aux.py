@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.support.prompts import prompts
-from tests.support.engines import REPO, cpu_env
+from tests.support.engines import REPO, offline_env
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def served_aux(model_dir, ids, layers, tp):
         spec, out = Path(d, "spec.json"), Path(d, "out.json")
         spec.write_text(json.dumps({"model": str(model_dir), "ids": ids, "layers": layers, "tp": tp}))
         proc = subprocess.run([sys.executable, "-m", "tests.model.aux_states_run", str(spec), str(out)], cwd=REPO,
-                              env=cpu_env(tp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=offline_env(tp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stdout}")

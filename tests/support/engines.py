@@ -19,6 +19,14 @@ def cpu_env(tp: int = 1) -> dict:
     return dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(REPO), **engine_env(tp))
 
 
+def offline_env(tp: int = 1) -> dict:
+    """`cpu_env` for an offline `LLM(...)` run: its engine core in the calling process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of a process of its own, which would import vLLM a
+    second time and add about 20 s to each start on these hosts; the model, runner and scheduler
+    are the same either way, and TP ranks still run as worker processes."""
+    return dict(cpu_env(tp), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+
+
 def run_in_group(cmd: list[str], *, timeout: float, env: dict) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd)` from the repository, stdout and stderr together, in a process group of
     its own that is killed whole once the command is done or late (then TimeoutExpired): an engine
@@ -41,7 +49,7 @@ def run_engine(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="aut
         spec_path, out_path = Path(d, "spec.json"), Path(d, "out.json")
         spec_path.write_text(json.dumps(spec))
         proc = run_in_group([sys.executable, "-m", "tests.support.engine_run", str(spec_path), str(out_path)],
-                            timeout=timeout, env=dict(cpu_env(tp), **(env or {})))
+                            timeout=timeout, env=dict(offline_env(tp), **(env or {})))
         if proc.returncode != 0:
             # vLLM logs worker tracebacks on stdout: keep both streams, whole, for the failure message.
             raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stdout}")

@@ -30,7 +30,7 @@ from beam_hpu.tiny.dflash2_drafter import MASK_TOKEN_ID, TRAIN_BLOCK, DFlash2Sha
 from beam_hpu.tiny.tasks import Tasks
 from beam_hpu.tiny.train_drafter import PHASE1, TARGET, draw, load_target, target_states, weights_digest
 
-DEFAULTS = dict(steps=240, lr=3e-3, seed=0, max_len=560, tokens=1600, anchors=16)
+DEFAULTS = dict(steps=800, lr=3e-3, seed=0, max_len=560, tokens=1600, anchors=16)
 ROW_DECAY = 0.85
 SELECTOR_WEIGHT = 1.0
 
@@ -119,6 +119,44 @@ def train(steps: int, lr: float, seed: int, max_len: int, tokens: int, anchors: 
             log(f"step {step + 1}/{steps} loss {avg:.3f} (block {base:.3f}, selector {sel:.3f}, "
                 f"{time.time() - t0:.0f}s)")
     return drafter.eval()
+
+
+@torch.no_grad()
+def offline_acceptance(drafter, steps: int = 4, seed: int = 1, tokens: int = 1600, anchors: int = 16,
+                       block: int = TRAIN_BLOCK) -> float:
+    """Mean accepted drafts per block at temperature 0, offline: blocks at trained anchors of fresh
+    task samples (seed other than training's), the selector's greedy walk against the target's greedy
+    tokens; a draft counts while every earlier one in its block matched. Not a served figure."""
+    from beam_hpu.model.dflash2_ops import greedy_walk, score_edges
+
+    target, tok = load_target()
+    embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
+    soft_cap = float(target.config.final_logit_softcapping)
+    tasks, rng, gen = Tasks(tok, DEFAULTS["max_len"]), random.Random(seed), torch.Generator().manual_seed(seed)
+    accepted, blocks = 0, 0
+    for _ in range(steps):
+        ids, mask = draw(tasks, rng, tokens, tok.pad_token_id)
+        aux, greedy = target_states(target, ids)
+        seqs, starts = anchor_batch(mask, anchors, block, gen)
+        L = ids.shape[1]
+        keep = (starts + block - 1) < L  # whole blocks only
+        seqs, starts = seqs[keep], starts[keep]
+        R, pos_all = len(seqs), torch.arange(L)
+        ctx_k, ctx_v = drafter.context(aux, pos_all.expand(ids.shape[0], L))
+        positions = starts[:, None] + torch.arange(block)
+        block_ids = torch.full((R, block), MASK_TOKEN_ID, dtype=torch.long)
+        block_ids[:, 0] = ids[seqs, starts]
+        hidden = drafter.block(F.embedding(block_ids, embed), positions, ctx_k[:, seqs], ctx_v[:, seqs],
+                               pos_all.expand(R, L), pos_all[None] < starts[:, None])[:, 1:]
+        logits = soft_cap * torch.tanh(hidden @ lm_head.T / soft_cap)
+        unary, cand = logits.topk(drafter.shape.selector_top_k, dim=-1)
+        scores = score_edges(drafter.predecessor_codebook, drafter.successor_codebook, cand, unary,
+                             drafter.hidden_projection(hidden), block_ids[:, 0])
+        drafts, _ = greedy_walk(scores, cand)
+        labels = greedy[seqs[:, None], positions[:, 1:] - 1]
+        accepted += (drafts == labels).long().cumprod(dim=1).sum().item()
+        blocks += R
+    return accepted / max(blocks, 1)
 
 
 def main(argv=None) -> int:

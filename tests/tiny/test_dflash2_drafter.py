@@ -33,6 +33,12 @@ def test_init_is_deterministic():
     assert not torch.equal(a["fc.weight"], init_drafter(seed=4).published()["fc.weight"])
 
 
+def test_published_tensors_load_back():
+    a = init_drafter(seed=3)
+    b = init_drafter(seed=4).load_published(a.published())
+    assert all(torch.equal(x, y) for x, y in zip(a.published().values(), b.published().values()))
+
+
 def test_config_keeps_the_drafter_fields_through_transformers(tmp_path):
     """transformers' Qwen3Config drops `sliding_window` unless `use_sliding_window`: the written
     config must come back with every field the served model reads."""

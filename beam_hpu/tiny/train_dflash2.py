@@ -1,5 +1,8 @@
 """Train the tiny DFlash2 drafter of the committed tiny trained Beam, on CPU, deterministically:
-`python -m beam_hpu.tiny.train_dflash2 OUT`.
+`python -m beam_hpu.tiny.train_dflash2 OUT` (the committed one is `beam_hpu/tiny/data/trained_dflash2/`:
+800 steps, about 12 minutes on a shared 2-core CPU; `offline_acceptance` gives it 4.32 accepted drafts
+of 7 per block of 8, against 0.01 at initialisation and 1.69 after 240 steps; an offline estimate,
+not a served figure).
 
 Data as the EAGLE3 drafter's trainer (`train_drafter`): the tiny Beam's own tasks run through the
 committed target in fp32 for its states at vLLM's aux ids 1, 3, 5 and its greedy next tokens; the

@@ -26,3 +26,20 @@ def test_anchors_leave_room_for_a_trained_first_row():
     seqs, starts = tt.anchor_batch(mask, 16, 8, torch.Generator().manual_seed(0))
     assert seqs.tolist() == [0, 0, 0, 0]  # the second sequence has nothing to learn
     assert starts.tolist() == [4, 5, 6, 7]  # a with mask[a + 1]
+
+
+def test_committed_dflash2_is_the_trainers_output():
+    import json
+
+    from safetensors import safe_open
+
+    from beam_hpu.model.dflash2 import validate_dflash2_config
+    from beam_hpu.tiny.dflash2_drafter import DFLASH2_DIR, WEIGHTS_FILE, read_dflash2
+
+    with safe_open(str(DFLASH2_DIR / WEIGHTS_FILE), "pt") as f:
+        meta = f.metadata()
+    assert {k: meta[k] for k in tt.DEFAULTS} == {k: str(v) for k, v in tt.DEFAULTS.items()}
+    assert tt.weights_digest(read_dflash2(DFLASH2_DIR)) == meta["sha256"]
+    cfg = json.loads((DFLASH2_DIR / "config.json").read_text())
+    validate_dflash2_config(type("Config", (), cfg))
+    assert "embed_tokens.weight" not in read_dflash2(DFLASH2_DIR)  # the target's is shared

@@ -8,6 +8,7 @@ import torch
 from tests.support.gaudi_tree import MISSING, ensure_gaudi_fixes_root
 from tests.support.reaper import become_subreaper, reap_leftovers
 from tests.support.release_proxy import ensure_release_proxy_root
+from tests.support.server import SharedServers
 
 from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
 from beam_hpu.tiny.fp8_checkpoint import write_tiny_fp8_checkpoint
@@ -39,6 +40,16 @@ def no_serving_process_left():
     problem = reap_leftovers(os.getpid(), grace=10)
     if problem:
         pytest.fail(problem, pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def shared_server():
+    """shared_server(model_dir, extra=()) -> a running `vllm serve` of `model_dir` with the demo's
+    command line plus `extra`, started once for this worker's session and stopped at its end
+    (before the leftover check above, which every session sets up first)."""
+    servers = SharedServers()
+    yield servers.get
+    servers.stop_all()
 
 
 def pytest_configure(config):

@@ -12,7 +12,6 @@ import pytest
 
 from beam_hpu.tiny.checkpoint import TRAINED_DIR
 from tests.support.hostile import FIELDS, MARK, expected_segments, payload_for, segments_of_ids
-from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +22,8 @@ TIMEOUT = 60
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Server(TRAINED_DIR)  # binds 127.0.0.1 on a free port
-    yield s
-    s.stop()
+def server(shared_server):
+    return shared_server(TRAINED_DIR)  # binds 127.0.0.1 on a free port
 
 
 @pytest.fixture(scope="module")

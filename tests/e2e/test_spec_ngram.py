@@ -106,13 +106,20 @@ def seeded_random(ep: Endpoint) -> list[str]:
                                          seed=1234).choices[0].text for _ in range(2)]
 
 
+FLOAT32 = ["--dtype", "float32"]
+
+
+def answer(server) -> dict:
+    ep = Recording(server.base_url, server.model)
+    gates = {g.__name__.rsplit(".", 1)[-1]: g.run(ep, PROFILE) for g in (smoke_gate, copy_gate, tools_gate)}
+    return {"gates": gates, "answers": ep.answers, "grammar": grammar_case(ep),
+            "random": seeded_random(ep), "counters": spec_counters(server)}
+
+
 def serve_and_answer(extra: list[str]) -> dict:
-    server = Server(TRAINED_DIR, extra=["--dtype", "float32", *extra])
+    server = Server(TRAINED_DIR, extra=[*FLOAT32, *extra])
     try:
-        ep = Recording(server.base_url, server.model)
-        gates = {g.__name__.rsplit(".", 1)[-1]: g.run(ep, PROFILE) for g in (smoke_gate, copy_gate, tools_gate)}
-        return {"gates": gates, "answers": ep.answers, "grammar": grammar_case(ep),
-                "random": seeded_random(ep), "counters": spec_counters(server)}
+        return answer(server)
     finally:
         server.stop()
 
@@ -127,9 +134,9 @@ def suffix_decoding_installed() -> bool:
 
 
 @pytest.fixture(scope="module")
-def served():
-    """One plain run for both methods (each server start costs CI a minute)."""
-    plain = serve_and_answer([])
+def served(shared_server):
+    """One plain run for both methods, on the session's float32 server (each start costs CI a minute)."""
+    plain = answer(shared_server(TRAINED_DIR, FLOAT32))
     spec = serve_and_answer(["--speculative-config", json.dumps(NGRAM)])
     suffix = serve_and_answer(["--speculative-config", json.dumps(SUFFIX)]) if suffix_decoding_installed() else None
     return plain, spec, suffix

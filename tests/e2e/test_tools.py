@@ -17,17 +17,15 @@ from beam_hpu.gates.client import Endpoint
 from beam_hpu.gates.profile import get_profile
 from beam_hpu.tiny.checkpoint import TRAINED_DIR
 from tests.support.engines import REPO
-from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 PROFILE = get_profile("cpu")
 
 
 @pytest.fixture(scope="module")
-def ep():
-    server = Server(TRAINED_DIR)
-    yield Endpoint(server.base_url, server.model)
-    server.stop()
+def ep(shared_server):
+    server = shared_server(TRAINED_DIR)
+    return Endpoint(server.base_url, server.model)
 
 
 @pytest.mark.parametrize("name,case,stream", gate.CASES, ids=[c[0] for c in gate.CASES])

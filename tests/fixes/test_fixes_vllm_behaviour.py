@@ -15,7 +15,7 @@ import pytest
 from fixes.engine import EXIT_OK, run
 from fixes.profile import load_profile
 from tests.support.gaudi.fix_trees import VLLM_FIXES, installed_root, symlink_tree, vllm_target_files
-from tests.support.parallel import engine_env, free_port
+from tests.support.parallel import both_cores, engine_env, free_port
 from tests.support.tiny_llama import make_tiny_llama
 
 FAULT_RANK_ENV = "BEAM_FIXES_TEST_FAIL_RANK"
@@ -184,8 +184,9 @@ def test_rank_exception_fatal_stops_the_engine(trees, tmp_path):
     script = tmp_path / "run_tp2.py"
     script.write_text(RUN_TP2)
     env = vllm_env(trees["patched"], tp=2, **{FAULT_RANK_ENV: "1"})
-    result = subprocess.run([sys.executable, str(script), str(trees["model"]), DTYPE], env=env,
-                            capture_output=True, text=True, timeout=500, start_new_session=True)
+    with both_cores(2):
+        result = subprocess.run([sys.executable, str(script), str(trees["model"]), DTYPE], env=env,
+                                capture_output=True, text=True, timeout=500, start_new_session=True)
     output = result.stdout + result.stderr
     assert "injected failure on rank 1" in output
     assert "GENERATE RETURNED" not in output

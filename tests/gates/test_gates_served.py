@@ -45,16 +45,13 @@ def _report(results) -> str:
                      for r in results.values())
 
 
-def test_run_gates_sh_passes_every_gate_on_the_trained_tiny_beam(tmp_path):
+def test_run_gates_sh_passes_every_gate_on_the_trained_tiny_beam(tmp_path, shared_server):
     """The operator's entry point, as the recipe runs it: table on stdout, JSON report, exit 0."""
-    server = Server(TRAINED_DIR, extra=AT_PROFILE_DTYPE)
-    try:
-        proc = subprocess.run([str(REPO / "tests/gates/run_gates.sh"), "--base-url", server.base_url, "--model",
-                               server.model, "--profile", "cpu", "--json", str(tmp_path / "gates.json"),
-                               "--reference-checkpoint", str(TRAINED_DIR)],
-                              env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=1200)
-    finally:
-        server.stop()
+    server = shared_server(TRAINED_DIR, AT_PROFILE_DTYPE)
+    proc = subprocess.run([str(REPO / "tests/gates/run_gates.sh"), "--base-url", server.base_url, "--model",
+                           server.model, "--profile", "cpu", "--json", str(tmp_path / "gates.json"),
+                           "--reference-checkpoint", str(TRAINED_DIR)],
+                          env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=1200)
     report = json.loads((tmp_path / "gates.json").read_text())
     assert proc.stdout.startswith("| Gate | Result | Pass |"), proc.stdout + proc.stderr
     assert [g["gate"] for g in report["gates"]] == GATES

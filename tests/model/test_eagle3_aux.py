@@ -19,6 +19,7 @@ import torch
 
 from tests.support.prompts import prompts
 from tests.support.engines import REPO, offline_env
+from tests.support.parallel import both_cores
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +30,10 @@ def served_aux(model_dir, ids, layers, tp):
     with tempfile.TemporaryDirectory() as d:
         spec, out = Path(d, "spec.json"), Path(d, "out.json")
         spec.write_text(json.dumps({"model": str(model_dir), "ids": ids, "layers": layers, "tp": tp}))
-        proc = subprocess.run([sys.executable, "-m", "tests.model.aux_states_run", str(spec), str(out)], cwd=REPO,
-                              env=offline_env(tp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=900)
+        with both_cores(tp):
+            proc = subprocess.run([sys.executable, "-m", "tests.model.aux_states_run", str(spec), str(out)], cwd=REPO,
+                                  env=offline_env(tp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stdout}")
         return json.loads(out.read_text())

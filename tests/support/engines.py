@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.support.parallel import engine_env
+from tests.support.parallel import both_cores, engine_env
 from tests.support.reaper import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,8 +48,9 @@ def run_engine(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="aut
     with tempfile.TemporaryDirectory() as d:
         spec_path, out_path = Path(d, "spec.json"), Path(d, "out.json")
         spec_path.write_text(json.dumps(spec))
-        proc = run_in_group([sys.executable, "-m", "tests.support.engine_run", str(spec_path), str(out_path)],
-                            timeout=timeout, env=dict(offline_env(tp), **(env or {})))
+        with both_cores(tp):
+            proc = run_in_group([sys.executable, "-m", "tests.support.engine_run", str(spec_path), str(out_path)],
+                                timeout=timeout, env=dict(offline_env(tp), **(env or {})))
         if proc.returncode != 0:
             # vLLM logs worker tracebacks on stdout: keep both streams, whole, for the failure message.
             raise RuntimeError(f"engine failed (rc={proc.returncode}):\n{proc.stdout}")

@@ -1,6 +1,7 @@
 """A real `vllm serve` process for end-to-end tests: started with the demo's own command line,
 waited for on /health, stopped (process group) at teardown."""
 
+import contextlib
 import os
 import subprocess
 import time
@@ -10,7 +11,7 @@ import httpx
 
 from beam_hpu.demo.serve import SERVED_NAME, serve_command, serve_env
 from tests.support.engines import REPO
-from tests.support.parallel import engine_env, free_port
+from tests.support.parallel import both_cores, engine_env, free_port
 from tests.support.reaper import stop_group
 
 
@@ -29,8 +30,14 @@ class Server:
         self.log_path = Path(log_path or f"/tmp/beam-hpu-serve-{self.port}.log")
         self.log = open(self.log_path, "w")
         pin = None if host_cpus is None else (lambda: os.sched_setaffinity(0, host_cpus))
-        self.proc = subprocess.Popen(self.cmd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=pin)
+        self.cores = contextlib.ExitStack()  # a multi-rank server holds both cores until stop()
+        self.cores.enter_context(both_cores(tp))
+        try:
+            self.proc = subprocess.Popen(self.cmd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=pin)
+        except BaseException:
+            self.cores.close()
+            raise
         self._wait(timeout)
 
     def _wait(self, timeout):
@@ -65,3 +72,28 @@ class Server:
         stop_group(self.proc, timeout=60)
         if not self.log.closed:
             self.log.close()
+        self.cores.close()
+
+
+class SharedServers:
+    """Servers kept for a whole test session (of one xdist worker), one per command line: the
+    modules that only send requests to the demo's server share its start (about 40 s each on
+    these hosts) instead of each starting their own. A server found dead is started again: the
+    module that killed it is the one that must notice."""
+
+    def __init__(self):
+        self._servers: dict[tuple, Server] = {}
+
+    def get(self, model_dir, extra=()) -> Server:
+        key = (str(model_dir), tuple(extra))
+        server = self._servers.get(key)
+        if server is None or server.proc.poll() is not None or not server.healthy():
+            if server is not None:
+                server.stop()
+            server = self._servers[key] = Server(model_dir, extra=list(extra))
+        return server
+
+    def stop_all(self):
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()

@@ -39,7 +39,8 @@ def register() -> None:
 def _register_model() -> None:
     from vllm import ModelRegistry
 
-    from beam_hpu.names import ARCH, MODEL_CLASS
+    from beam_hpu.names import ARCH, DRAFT_ARCH, DRAFT_MODEL_CLASS, MODEL_CLASS
 
-    if ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCH, MODEL_CLASS)
+    for arch, model_class in ((ARCH, MODEL_CLASS), (DRAFT_ARCH, DRAFT_MODEL_CLASS)):
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, model_class)

@@ -9,6 +9,10 @@ the same word by convention only, so each gets its own name here: code says whic
 MODEL_TYPE = "beam"
 ARCH = "BeamForCausalLM"
 MODEL_CLASS = "beam_hpu.model.beam:BeamForCausalLM"  # imported lazily by vLLM's registry
+# Beam's DFlash2 drafter: the architecture its config.json names (upstream vLLM 0.34 registers the
+# same name) and the class built for it.
+DRAFT_ARCH = "DFlash2BeamDraftModel"
+DRAFT_MODEL_CLASS = "beam_hpu.model.dflash2:DFlash2BeamForCausalLM"
 
 # vLLM `--load-format` (beam_hpu.loader) and `--reasoning-parser` / `--tool-call-parser`.
 LOAD_FORMAT = "beam"

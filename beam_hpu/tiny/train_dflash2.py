@@ -1,0 +1,180 @@
+"""Train the tiny DFlash2 drafter of the committed tiny trained Beam, on CPU, deterministically:
+`python -m beam_hpu.tiny.train_dflash2 OUT` (the committed one is `beam_hpu/tiny/data/trained_dflash2/`:
+800 steps, about 12 minutes on a shared 2-core CPU; `offline_acceptance` gives it 4.32 accepted drafts
+of 7 per block of 8, against 0.01 at initialisation and 1.69 after 240 steps; an offline estimate,
+not a served figure).
+
+Data as the EAGLE3 drafter's trainer (`train_drafter`): the tiny Beam's own tasks run through the
+committed target in fp32 for its states at vLLM's aux ids 1, 3, 5 and its greedy next tokens; the
+drafter learns the target's greedy tokens. Each step draws anchors a in the sequences: the block
+is [token a, mask x (B-1)] at positions a..a+B-1 over the context of positions < a (what a served
+step sees after accepting up to a-1), row k labelled with the target's greedy token after a+k-1,
+counted where the target was trained to predict (the tasks' loss mask). Two terms, as NeMo
+AutoModel's DFlash2 trainer describes its objective: the block cross-entropy over the vocabulary,
+rows weighted down along the block, plus the selector's cross-entropy over each row's top-k
+candidates scored from the true predecessor, where the true token is among them.
+
+Determinism: one seed for data, anchors and initialisation, one torch thread, deterministic
+algorithms, fp32 throughout: the same command writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from beam_hpu.tiny.dflash2_drafter import MASK_TOKEN_ID, TRAIN_BLOCK, DFlash2Shape, init_drafter, write_dflash2
+from beam_hpu.tiny.tasks import Tasks
+from beam_hpu.tiny.train_drafter import PHASE1, TARGET, draw, load_target, target_states, weights_digest
+
+DEFAULTS = dict(steps=800, lr=3e-3, seed=0, max_len=560, tokens=1600, anchors=16)
+ROW_DECAY = 0.85
+SELECTOR_WEIGHT = 1.0
+
+
+def anchor_batch(mask: torch.Tensor, anchors: int, block: int, gen: torch.Generator):
+    """Up to `anchors` anchors per sequence: positions a >= 1 whose first drafted row is trained.
+    -> (sequence index [R], anchor position [R])."""
+    seqs, starts = [], []
+    for b in range(mask.shape[0]):
+        ok = torch.nonzero(mask[b, 2:]).flatten() + 1  # a with mask[a + 1], a >= 1
+        ok = ok[ok + 1 < mask.shape[1]]
+        pick = ok[torch.randperm(len(ok), generator=gen)[:anchors]].sort().values
+        seqs += [b] * len(pick)
+        starts += pick.tolist()
+    return torch.tensor(seqs, dtype=torch.long), torch.tensor(starts, dtype=torch.long)
+
+
+def block_loss(drafter, embed, lm_head, soft_cap, ids, mask, aux, greedy, seqs, starts, block):
+    s: DFlash2Shape = drafter.shape
+    Bt, L = ids.shape
+    R = len(seqs)
+    pos_all = torch.arange(L)
+    ctx_k, ctx_v = drafter.context(aux, pos_all.expand(Bt, L))  # [Ly, Bt, L, Nkv, D]
+    ctx_k, ctx_v = ctx_k[:, seqs], ctx_v[:, seqs]  # [Ly, R, L, Nkv, D]
+    ctx_valid = pos_all[None] < starts[:, None]  # [R, L]
+    offs = torch.arange(block)
+    positions = starts[:, None] + offs  # [R, B]
+    bonus = ids[seqs, starts]
+    block_ids = torch.full((R, block), MASK_TOKEN_ID, dtype=torch.long)
+    block_ids[:, 0] = bonus
+    hidden = drafter.block(F.embedding(block_ids, embed), positions, ctx_k, ctx_v, pos_all.expand(R, L), ctx_valid)
+    rows = hidden[:, 1:]  # [R, B-1, H]
+    at = (positions[:, 1:]).clamp(max=L - 1)  # the position each row predicts
+    labels = greedy[seqs[:, None], at - 1]  # [R, B-1]
+    keep = mask[seqs[:, None], at] & (positions[:, 1:] < L)
+    weight = keep.float() * ROW_DECAY ** offs[:-1].float()
+    logits = soft_cap * torch.tanh(rows @ lm_head.T / soft_cap)  # [R, B-1, V]
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(weight)
+    base = (ce * weight).sum() / weight.sum().clamp(min=1)
+    # Selector: candidates from the unary logits, predecessor = the true previous token.
+    cand = logits.detach().topk(s.selector_top_k, dim=-1).indices  # [R, B-1, K]
+    unary = logits.gather(-1, cand)
+    pred = torch.cat([bonus[:, None], labels[:, :-1]], dim=1)
+    scores = drafter.edge_scores(cand, unary, rows, pred)  # [R, B-1, K]
+    hit = cand == labels[..., None]
+    found = hit.any(-1) & keep
+    sel_ce = F.cross_entropy(scores.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none").view_as(weight)
+    sel_w = found.float() * ROW_DECAY ** offs[:-1].float()
+    selector = (sel_ce * sel_w).sum() / sel_w.sum().clamp(min=1)
+    return base + SELECTOR_WEIGHT * selector, base.detach(), selector.detach()
+
+
+def train(steps: int, lr: float, seed: int, max_len: int, tokens: int, anchors: int, log_every: int = 10,
+          log=print):
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    target, tok = load_target()
+    embed = target.model.embed_tokens.weight.detach()
+    lm_head = target.lm_head.weight.detach()
+    soft_cap = float(target.config.final_logit_softcapping)
+    drafter = init_drafter(DFlash2Shape(hidden_size=embed.shape[1], vocab_size=embed.shape[0]), seed)
+    short, tasks, rng = Tasks(tok, PHASE1["max_len"]), Tasks(tok, max_len), random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))))
+    phase1 = min(PHASE1["steps"], steps // 2)
+    t0, avg = time.time(), None
+    for step in range(steps):
+        if step < phase1:
+            ids, mask = draw(short, rng, tokens, tok.pad_token_id, [("copy", 1.0)])
+        else:
+            ids, mask = draw(tasks, rng, tokens, tok.pad_token_id)
+        aux, greedy = target_states(target, ids)
+        seqs, starts = anchor_batch(mask, anchors, TRAIN_BLOCK, gen)
+        loss, base, sel = block_loss(drafter, embed, lm_head, soft_cap, ids, mask, aux, greedy, seqs, starts,
+                                     TRAIN_BLOCK)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        avg = loss.item() if avg is None else 0.9 * avg + 0.1 * loss.item()
+        if log_every and (step + 1) % log_every == 0:
+            log(f"step {step + 1}/{steps} loss {avg:.3f} (block {base:.3f}, selector {sel:.3f}, "
+                f"{time.time() - t0:.0f}s)")
+    return drafter.eval()
+
+
+@torch.no_grad()
+def offline_acceptance(drafter, steps: int = 4, seed: int = 1, tokens: int = 1600, anchors: int = 16,
+                       block: int = TRAIN_BLOCK) -> float:
+    """Mean accepted drafts per block at temperature 0, offline: blocks at trained anchors of fresh
+    task samples (seed other than training's), the selector's greedy walk against the target's greedy
+    tokens; a draft counts while every earlier one in its block matched. Not a served figure."""
+    from beam_hpu.model.dflash2_ops import greedy_walk, score_edges
+
+    target, tok = load_target()
+    embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
+    soft_cap = float(target.config.final_logit_softcapping)
+    tasks, rng, gen = Tasks(tok, DEFAULTS["max_len"]), random.Random(seed), torch.Generator().manual_seed(seed)
+    accepted, blocks = 0, 0
+    for _ in range(steps):
+        ids, mask = draw(tasks, rng, tokens, tok.pad_token_id)
+        aux, greedy = target_states(target, ids)
+        seqs, starts = anchor_batch(mask, anchors, block, gen)
+        L = ids.shape[1]
+        keep = (starts + block - 1) < L  # whole blocks only
+        seqs, starts = seqs[keep], starts[keep]
+        R, pos_all = len(seqs), torch.arange(L)
+        ctx_k, ctx_v = drafter.context(aux, pos_all.expand(ids.shape[0], L))
+        positions = starts[:, None] + torch.arange(block)
+        block_ids = torch.full((R, block), MASK_TOKEN_ID, dtype=torch.long)
+        block_ids[:, 0] = ids[seqs, starts]
+        hidden = drafter.block(F.embedding(block_ids, embed), positions, ctx_k[:, seqs], ctx_v[:, seqs],
+                               pos_all.expand(R, L), pos_all[None] < starts[:, None])[:, 1:]
+        logits = soft_cap * torch.tanh(hidden @ lm_head.T / soft_cap)
+        unary, cand = logits.topk(drafter.shape.selector_top_k, dim=-1)
+        scores = score_edges(drafter.predecessor_codebook, drafter.successor_codebook, cand, unary,
+                             drafter.hidden_projection(hidden), block_ids[:, 0])
+        drafts, _ = greedy_walk(scores, cand)
+        labels = greedy[seqs[:, None], positions[:, 1:] - 1]
+        accepted += (drafts == labels).long().cumprod(dim=1).sum().item()
+        blocks += R
+    return accepted / max(blocks, 1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", help="drafter directory to write")
+    for k, v in DEFAULTS.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
+    args = ap.parse_args(argv)
+    hp = {k: getattr(args, k) for k in DEFAULTS}
+    drafter = train(**hp)
+    digest = weights_digest(drafter.published())
+    write_dflash2(Path(args.out), drafter, {**hp, "target": TARGET.name, "sha256": digest})
+    print(f"wrote {args.out} (weights sha256: {digest[:16]})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

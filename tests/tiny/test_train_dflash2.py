@@ -1,0 +1,45 @@
+"""The tiny DFlash2 drafter's trainer is deterministic and trains both of its terms.
+
+A full re-training takes minutes on a shared CPU, so this runs a shortened training twice (same
+bytes) and once shorter (the tensors moved)."""
+
+import torch
+
+from beam_hpu.tiny import train_dflash2 as tt
+
+
+def test_shortened_training_is_bitwise_reproducible():
+    short = dict(tt.DEFAULTS, steps=2, tokens=300, anchors=4)
+    a = tt.train(**short, log_every=0).published()
+    b = tt.train(**short, log_every=0).published()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = tt.train(**dict(short, steps=1), log_every=0).published()
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp_conv.kernel_projection.weight",
+                 "candidate_selector.successor_codebook"):  # the block term and the selector term
+        assert not torch.equal(a[name], c[name]), name
+
+
+def test_anchors_leave_room_for_a_trained_first_row():
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[0, 5:9] = True
+    seqs, starts = tt.anchor_batch(mask, 16, 8, torch.Generator().manual_seed(0))
+    assert seqs.tolist() == [0, 0, 0, 0]  # the second sequence has nothing to learn
+    assert starts.tolist() == [4, 5, 6, 7]  # a with mask[a + 1]
+
+
+def test_committed_dflash2_is_the_trainers_output():
+    import json
+
+    from safetensors import safe_open
+
+    from beam_hpu.model.dflash2 import validate_dflash2_config
+    from beam_hpu.tiny.dflash2_drafter import DFLASH2_DIR, WEIGHTS_FILE, read_dflash2
+
+    with safe_open(str(DFLASH2_DIR / WEIGHTS_FILE), "pt") as f:
+        meta = f.metadata()
+    assert {k: meta[k] for k in tt.DEFAULTS} == {k: str(v) for k, v in tt.DEFAULTS.items()}
+    assert tt.weights_digest(read_dflash2(DFLASH2_DIR)) == meta["sha256"]
+    cfg = json.loads((DFLASH2_DIR / "config.json").read_text())
+    validate_dflash2_config(type("Config", (), cfg))
+    assert "embed_tokens.weight" not in read_dflash2(DFLASH2_DIR)  # the target's is shared

@@ -101,6 +101,7 @@ def runs():
     drafted = Server(TRAINED_DIR, extra=["--dtype", "float32", "--speculative-config", speculative_config()])
     try:
         spec = run_all(drafted)
+        spec["log"] = drafted.log_text()
     finally:
         drafted.stop()
     return base, spec
@@ -110,6 +111,7 @@ def test_copy_is_token_identical_and_dflash2_drafted(runs):
     base, spec = runs
     assert spec["copies"] == base["copies"]
     c = spec["copy_counters"]
+    assert "cpu-dflash2-proposer: drafting with Beam's DFlash2 drafter" in spec["log"]
     assert c["drafts"] > 0
     print(f"DFlash2 tiny drafter, k={DRAFTED}: mean accepted length on copy {1 + c['accepted'] / c['drafts']:.2f}")
 

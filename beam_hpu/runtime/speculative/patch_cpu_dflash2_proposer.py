@@ -3,7 +3,11 @@ through `cpu_dflash2_proposer.CpuDFlash2Proposer` instead of DFlash v1's propose
 
 from __future__ import annotations
 
+import logging
+
 from beam_hpu.runtime.wrap import wrap
+
+logger = logging.getLogger("vllm." + __name__)  # vLLM's handler prints it in the engine's log
 
 NAME = "cpu-dflash2-proposer"
 
@@ -17,6 +21,7 @@ def _with_dflash2_drafter(stock_init):
         # target with a DFlash2 Beam drafter gets this one, every other model keeps vLLM's.
         if hasattr(self, "drafter") and serves_beam_dflash2(self.vllm_config):
             self.drafter = CpuDFlash2Proposer(self.vllm_config, self.device, self)
+            logger.info("%s: drafting with Beam's DFlash2 drafter through CpuDFlash2Proposer", NAME)
 
     return __init__
 

@@ -90,6 +90,8 @@ class CpuDFlash2Proposer(DFlashProposer):
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         num_reqs = common_attn_metadata.num_reqs
+        if num_speculative_tokens == 0:  # dynamic speculation chose none: nothing to draft
+            return torch.empty(num_reqs, 0, dtype=torch.long, device=target_positions.device)
         starts = common_attn_metadata.query_start_loc_cpu[: num_reqs + 1].tolist()
         rejected = ([0] * num_reqs if num_rejected_tokens_gpu is None
                     else num_rejected_tokens_gpu[:num_reqs].tolist())

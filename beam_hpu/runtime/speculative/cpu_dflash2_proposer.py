@@ -90,8 +90,6 @@ class CpuDFlash2Proposer(DFlashProposer):
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         num_reqs = common_attn_metadata.num_reqs
-        if num_speculative_tokens == 0:  # dynamic speculation chose none: nothing to draft
-            return torch.empty(num_reqs, 0, dtype=torch.long, device=target_positions.device)
         starts = common_attn_metadata.query_start_loc_cpu[: num_reqs + 1].tolist()
         rejected = ([0] * num_reqs if num_rejected_tokens_gpu is None
                     else num_rejected_tokens_gpu[:num_reqs].tolist())
@@ -122,6 +120,8 @@ class CpuDFlash2Proposer(DFlashProposer):
                 if keep:
                     self.contexts[key] = ctx
                 contexts.append(ctx)
+            if block == 1:  # dynamic speculation scheduled no drafts: the context still grows
+                return torch.empty(len(contexts), 0, dtype=torch.long, device=bonus_ids.device)
             k, v, ctx_pos, valid = dflash2_context.batch(contexts)
             last = torch.tensor([c.last_position for c in contexts], device=bonus_ids.device)
             ids, block_pos = dflash2_context.block_inputs(bonus_ids, last, block, self.mask_token_id)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from beam_hpu.model.dflash2 import DFlash2Context
 from beam_hpu.names import DRAFT_ARCH
 from beam_hpu.runtime.speculative import dflash2_context
 from beam_hpu.scope import serves_beam
@@ -125,8 +126,6 @@ class CpuDFlash2Proposer(DFlashProposer):
             k, v, ctx_pos, valid = dflash2_context.batch(contexts)
             last = torch.tensor([c.last_position for c in contexts], device=bonus_ids.device)
             ids, block_pos = dflash2_context.block_inputs(bonus_ids, last, block, self.mask_token_id)
-            from beam_hpu.model.dflash2 import DFlash2Context
-
             hidden = self.model(ids, block_pos, DFlash2Context(k, v, ctx_pos, valid))
             tokens, _, _ = self.model.draft_greedy(hidden, ids[:, 0])
         return tokens

@@ -214,6 +214,24 @@ INDEX: tuple[RuntimePatch, ...] = (
         remove_when="vLLM-CPU's runner sets `_eagle_step_slot_mapping_metadata.kernel` to its CPU op.",
         upstream="none filed",
     ),
+    RuntimePatch(
+        name="cpu-dflash2-proposer",
+        module="speculative.patch_cpu_dflash2_proposer",
+        targets=("vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__",),
+        platform="cpu",
+        scope="beam: replaces the drafter only when serves_beam_dflash2(vllm_config) (beam_hpu.scope: "
+              "hf_config.model_type beam, method dflash, drafter architectures DFlash2BeamDraftModel); "
+              "any other runner keeps the drafter vLLM built",
+        why="vLLM 0.30.0 runs DFlash2 only in its V2 GPU runner; its V1 runner (vLLM-CPU's) builds "
+            "DFlash v1's proposer for method dflash, which never runs the candidate selector and "
+            "writes context K/V through a Triton kernel vLLM-CPU cannot launch.",
+        how="After the stock __init__, a Beam runner with a DFlash2 Beam drafter gets "
+            "beam_hpu.runtime.speculative.cpu_dflash2_proposer.CpuDFlash2Proposer (a DFlashProposer "
+            "to the runner: per-request context K/V from the target's aux states, one block forward, "
+            "the selector's greedy walk, plain torch).",
+        remove_when="vLLM's V1 runner (or vLLM-CPU's V2 runner) drafts DFlash2 with a Beam drafter.",
+        upstream="none filed",
+    ),
 )
 
 

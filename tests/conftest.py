@@ -8,7 +8,7 @@ import torch
 from tests.support.gaudi_tree import MISSING, ensure_gaudi_fixes_root
 from tests.support.reaper import become_subreaper, reap_leftovers
 from tests.support.release_proxy import ensure_release_proxy_root
-from tests.support.server import SharedServers
+from tests.support.server import SharedServerLoadFile, SharedServers
 
 from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
 from beam_hpu.tiny.fp8_checkpoint import write_tiny_fp8_checkpoint
@@ -55,6 +55,13 @@ def shared_server():
 def pytest_configure(config):
     config.addinivalue_line("markers", "gaudi_tree: runs on the vllm-gaudi tree (tests/support/gaudi/); "
                                        "skipped, naming what is missing, when there is none")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the modules that share the demo servers as one unit of work."""
+    if config.getvalue("dist") == "loadfile":
+        return SharedServerLoadFile(config, log)
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

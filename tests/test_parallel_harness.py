@@ -2,6 +2,7 @@
 a multi-rank engine waits while another worker's multi-rank engine runs; a single-rank one does not."""
 
 import fcntl
+import re
 import subprocess
 import sys
 import time
@@ -56,3 +57,16 @@ def test_a_single_rank_engine_neither_takes_nor_waits_for_the_cores(monkeypatch)
     with both_cores(2):
         child = hold_in_child(1, 0.0)  # would block here if TP 1 took the lock
         child.wait(10)
+
+
+def test_the_shared_server_modules_are_the_fixtures_users_and_one_unit_of_work():
+    from tests.support.server import SHARED_SERVER_MODULES, SharedServerLoadFile
+
+    users = {str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
+             if re.search(r"^def \w+\([^)]*\bshared_server\b", p.read_text(), re.M)}  # taken as a fixture
+    assert set(SHARED_SERVER_MODULES) == users
+    split = SharedServerLoadFile._split_scope
+    scheduler = SharedServerLoadFile.__new__(SharedServerLoadFile)
+    scopes = {split(scheduler, f"{m}::test_x[a]") for m in SHARED_SERVER_MODULES}
+    assert len(scopes) == 1
+    assert split(scheduler, "tests/e2e/test_soak.py::test_x") == "tests/e2e/test_soak.py"

@@ -92,12 +92,8 @@ def run_all(server) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs():
-    plain = Server(TRAINED_DIR, extra=["--dtype", "float32"])
-    try:
-        base = run_all(plain)
-    finally:
-        plain.stop()
+def runs(shared_server):
+    base = run_all(shared_server(TRAINED_DIR, ["--dtype", "float32"]))
     drafted = Server(TRAINED_DIR, extra=["--dtype", "float32", "--speculative-config", speculative_config()])
     try:
         spec = run_all(drafted)

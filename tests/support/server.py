@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+from xdist.scheduler import LoadFileScheduling
 
 from beam_hpu.demo.serve import SERVED_NAME, serve_command, serve_env
 from tests.support.engines import REPO
@@ -97,3 +98,19 @@ class SharedServers:
         for server in self._servers.values():
             server.stop()
         self._servers.clear()
+
+
+# The modules whose tests read the session's shared demo servers (`shared_server`; a test checks
+# this list against the fixture's users): under `--dist loadfile` they form one unit of work, so
+# one xdist worker runs them all and each server starts once per run instead of once per worker.
+SHARED_SERVER_MODULES = ("tests/e2e/test_bad_input.py", "tests/e2e/test_tools.py", "tests/e2e/test_spec_drafter.py",
+                         "tests/e2e/test_spec_ngram.py", "tests/e2e/test_spec_dflash2.py",
+                         "tests/gates/test_gates_served.py")
+
+
+class SharedServerLoadFile(LoadFileScheduling):
+    """xdist's `loadfile` (one module = one unit of work), with SHARED_SERVER_MODULES as one unit."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        module = super()._split_scope(nodeid)
+        return "shared-servers" if module in SHARED_SERVER_MODULES else module

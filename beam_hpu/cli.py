@@ -1,7 +1,7 @@
 """`beam-hpu`: tiny checkpoints, the CPU demo and the stored reference. Parses and dispatches only.
 
   beam-hpu tiny DIR [--preset small|wide|trained] [--dtype bfloat16|float32] [--seed N] [--fp8]
-  beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--draft] [--print-only]
+  beam-hpu demo [--dir DIR] [--preset trained|small|wide] [--port 8000] [--tp 1] [--ep] [--fp8] [--draft [eagle3|dflash2]] [--print-only]
                 [--replicas N [--policy cache_aware|round_robin|...]]
   beam-hpu reference CHECKPOINT (--passages FILE | --text F ...) --out REF.json [--fp8-max 448|240] [--workdir DIR]
                      [--kv-scales DIR]
@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--tp", type=int, default=1)
     d.add_argument("--ep", action="store_true", help="--enable-expert-parallel (use with --tp 2)")
     d.add_argument("--fp8", action="store_true", help="serve the FP8 tiny checkpoint")
-    d.add_argument("--draft", action="store_true",
-                   help="speculative decoding with the committed tiny EAGLE3 drafter (beam_hpu/tiny/data/trained_drafter)")
+    d.add_argument("--draft", nargs="?", const="eagle3", choices=["eagle3", "dflash2"],
+                   help="speculative decoding with a committed tiny drafter: eagle3 (the default; "
+                        "beam_hpu/tiny/data/trained_drafter) or dflash2 (beam_hpu/tiny/data/trained_dflash2)")
     d.add_argument("--print-only", action="store_true", help="print the serve command, do not run it")
     d.add_argument("--replicas", type=int, default=1,
                    help="N>=2: N replicas (ports PORT+1..PORT+N, one core each) behind vllm-router on PORT")

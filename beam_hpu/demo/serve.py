@@ -108,16 +108,24 @@ def tiny_command(args) -> int:
     return 0
 
 
+def draft_arguments(draft: str | None) -> list[str] | None:
+    """`vllm serve` arguments of `beam-hpu demo --draft DRAFT`: the committed tiny drafter's
+    `--speculative-config` (eagle3 or dflash2), or None without --draft."""
+    if draft is None:
+        return None
+    if draft == "dflash2":
+        from beam_hpu.tiny.dflash2_drafter import speculative_config
+    else:
+        from beam_hpu.tiny.drafter import speculative_config
+    return ["--speculative-config", speculative_config()]
+
+
 def demo_command(args) -> int:
     """`beam-hpu demo` with one server (`--replicas` 1)."""
     if args.draft and args.preset != "trained":
         raise SystemExit("beam-hpu demo: --draft needs --preset trained (the drafter is trained on that model)")
     model_dir = write_checkpoint(args.dir, args.preset, "bfloat16", 0, args.fp8)
-    extra = None
-    if args.draft:
-        from beam_hpu.tiny.drafter import speculative_config
-
-        extra = ["--speculative-config", speculative_config()]
+    extra = draft_arguments(args.draft)
     cmd = serve_command(model_dir, port=args.port, tp=args.tp, ep=args.ep, extra=extra)
     base = f"http://127.0.0.1:{args.port}/v1"
     print(f"tiny Beam checkpoint: {model_dir}\nserving: {shlex.join(cmd)}\n"

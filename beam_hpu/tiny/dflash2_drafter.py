@@ -32,7 +32,7 @@ TARGET_LAYER_IDS = (0, 2, 4)
 # Tokens 480..511 pad the tiny vocabulary (the tokenizer never produces them): the last is the mask.
 MASK_TOKEN_ID = 511
 TRAIN_BLOCK = 8  # the published drafter trains with 16 and serves 8; the tiny one halves both
-SERVED_BLOCK = 4
+SERVED_DRAFTS = TRAIN_BLOCK - 1  # a served block: the bonus token and 7 drafted ones, as the published serving block of 8
 
 
 @dataclass(frozen=True)
@@ -211,3 +211,8 @@ def read_dflash2(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(Path(path) / WEIGHTS_FILE))
+
+
+def speculative_config(k: int = SERVED_DRAFTS, path: Path = DFLASH2_DIR) -> str:
+    """`vllm serve --speculative-config` for the committed tiny DFlash2 drafter (k drafted tokens a step)."""
+    return json.dumps({"method": "dflash", "model": str(path), "num_speculative_tokens": k})

@@ -16,18 +16,16 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from beam_hpu.demo.serve import draft_arguments
 from beam_hpu.tiny import tasks as syn
 from beam_hpu.tiny.checkpoint import TRAINED_DIR
-from beam_hpu.tiny.dflash2_drafter import DFLASH2_DIR
+from beam_hpu.tiny.dflash2_drafter import SERVED_DRAFTS, speculative_config
+from tests.support.readme_requests import demo_requests
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 
-DRAFTED = 7  # the published serving block of 8: the bonus token and 7 drafted ones
-
-
-def speculative_config() -> str:
-    return json.dumps({"method": "dflash", "model": str(DFLASH2_DIR), "num_speculative_tokens": DRAFTED})
+DRAFTED = SERVED_DRAFTS
 
 
 def copy_prompts(n=3, length=64, restart=8, seed=41):
@@ -122,3 +120,29 @@ def test_chat_answers_identical_streamed_and_not(runs):
     assert json.loads(plain[2]["content"]) == {"city": "Cairo"}
     c = spec["all_counters"]
     print(f"DFlash2 tiny drafter over every request: mean accepted length {1 + c['accepted'] / c['drafts']:.2f}")
+
+
+def demo_answers(server) -> list[dict]:
+    out = []
+    for body in demo_requests(server.model):
+        r = httpx.post(f"{server.base_url}/chat/completions", json=dict(body, temperature=0), timeout=120).json()
+        message = r["choices"][0]["message"]
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []]
+        out.append({"reasoning": message.get("reasoning"), "content": message.get("content"), "calls": calls,
+                    "finish": r["choices"][0]["finish_reason"]})
+    return out
+
+
+def test_demo_draft_dflash2_answers_the_readme_requests_as_without_it(shared_server):
+    """`beam-hpu demo --draft dflash2`'s own command line (the demo's bf16 server plus its
+    `--speculative-config`) against the plain demo: the README's two requests, at temperature 0."""
+    plain = demo_answers(shared_server(TRAINED_DIR))
+    drafted = Server(TRAINED_DIR, extra=draft_arguments("dflash2"))
+    try:
+        answers = demo_answers(drafted)
+        log = drafted.log_text()
+    finally:
+        drafted.stop()
+    assert "cpu-dflash2-proposer: drafting with Beam's DFlash2 drafter" in log
+    assert answers == plain
+    assert plain[0]["content"] == "Paris" and [name for name, _ in plain[1]["calls"]] == ["get_weather"]

@@ -16,7 +16,7 @@ from beam_hpu.gates import tools as gate
 from beam_hpu.gates.client import Endpoint
 from beam_hpu.gates.profile import get_profile
 from beam_hpu.tiny.checkpoint import TRAINED_DIR
-from tests.support.engines import REPO
+from tests.support.readme_requests import tool_call_request, tool_call_response
 
 pytestmark = pytest.mark.slow
 PROFILE = get_profile("cpu")
@@ -44,18 +44,9 @@ def test_tools_gate_reports_11_of_11(ep):
     assert r.passed and "11/11" in r.result, r.details
 
 
-def _readme_block(marker: str) -> str:
-    text = (REPO / "README.md").read_text()
-    block = text[text.index(marker):]
-    return block[block.index("```"):].split("\n", 1)[1].split("```", 1)[0]
-
-
 def test_readme_tool_call_example(ep):
     """The README's tool-call request, sent as written, gets the call the README shows."""
-    request = _readme_block("<!-- tool-call-request -->")
-    heredoc = "<<'EOF'\n"
-    body = json.loads(request[request.index(heredoc) + len(heredoc):request.rindex("EOF")])
-    shown = json.loads(_readme_block("<!-- tool-call-response -->"))
+    body, shown = tool_call_request(), tool_call_response()
     body["model"] = ep.model
     r = httpx.post(f"{ep.base_url}/chat/completions", json=body, timeout=120).json()
     message, expected = r["choices"][0]["message"], shown["choices"][0]["message"]

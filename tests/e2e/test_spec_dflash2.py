@@ -21,6 +21,7 @@ from beam_hpu.tiny import tasks as syn
 from beam_hpu.tiny.checkpoint import TRAINED_DIR
 from beam_hpu.tiny.dflash2_drafter import SERVED_DRAFTS, speculative_config
 from tests.support.readme_requests import demo_requests
+from tests.support.served_spec import chat_once, spec_counters
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
@@ -46,37 +47,6 @@ def chat_requests():
     ]
 
 
-def spec_counters(server) -> dict[str, float]:
-    text = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
-    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
-    out = {"drafts": 0.0, "accepted": 0.0}
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in names:
-            out[names[name]] += float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def chat_once(client, model, req, stream):
-    kw = dict(model=model, temperature=0, max_tokens=64, **req)
-    if not stream:
-        m = client.chat.completions.create(**kw).choices[0]
-        calls = [(c.function.name, c.function.arguments) for c in m.message.tool_calls or []]
-        return {"reasoning": getattr(m.message, "reasoning", None), "content": m.message.content, "calls": calls}
-    reasoning, content, calls = "", "", {}
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        if not chunk.choices:
-            continue
-        d = chunk.choices[0].delta
-        reasoning += getattr(d, "reasoning", None) or ""
-        content += d.content or ""
-        for tc in d.tool_calls or []:
-            name, args = calls.get(tc.index, ("", ""))
-            calls[tc.index] = (name + ((tc.function and tc.function.name) or ""),
-                               args + ((tc.function and tc.function.arguments) or ""))
-    return {"reasoning": reasoning or None, "content": content or None, "calls": [calls[i] for i in sorted(calls)]}
-
-
 def run_all(server) -> dict:
     client = OpenAI(base_url=server.base_url, api_key="none")
     copies = []
@@ -85,7 +55,7 @@ def run_all(server) -> dict:
                                       extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
         copies.append(list(c.token_ids))
     copy_counters = spec_counters(server)
-    chats = [[chat_once(client, server.model, r, stream) for stream in (False, True)] for r in chat_requests()]
+    chats = [[chat_once(client, server.model, r, stream, max_tokens=64) for stream in (False, True)] for r in chat_requests()]
     return {"copies": copies, "chats": chats, "copy_counters": copy_counters, "all_counters": spec_counters(server)}
 
 

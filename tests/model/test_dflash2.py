@@ -1,14 +1,13 @@
 """Beam's DFlash2 drafter (beam_hpu/model/dflash2.py) against an independent fp32 reference of the
 published equations (tests/support/dflash2_reference.py), at tiny sizes, on CPU, no engine."""
 
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.support.dflash2_reference import Reference
+from tests.support.dflash2_served import one_rank
 
 # Tiny drafter: 2 layers, hidden 64, 4 query / 2 KV heads of 16, two taps over groups of 8,
 # a window (6) shorter than the longer context, so the window decides what is seen.
@@ -35,15 +34,9 @@ def _config(**changes):
 @pytest.fixture(scope="module")
 def vllm_ready():
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
+    one_rank()
     with set_current_vllm_config(VllmConfig()):
-        if not model_parallel_is_initialized():
-            with tempfile.TemporaryDirectory() as d:
-                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                             distributed_init_method=f"file://{Path(d) / 'rendezvous'}")
-                initialize_model_parallel(1, 1)
         yield
 
 

@@ -2,28 +2,21 @@
 trainer's block forward (`TinyDFlash2`) computes what the served model computes."""
 
 import json
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from beam_hpu.tiny.dflash2_drafter import DFlash2Shape, TinyDFlash2, init_drafter, read_dflash2, write_dflash2
+from tests.support.dflash2_served import one_rank
 
 
 @pytest.fixture(scope="module")
 def vllm_ready():
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
+    one_rank()
     with set_current_vllm_config(VllmConfig()):
-        if not model_parallel_is_initialized():
-            with tempfile.TemporaryDirectory() as d:
-                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                             distributed_init_method=f"file://{Path(d) / 'rendezvous'}")
-                initialize_model_parallel(1, 1)
         yield
 
 

@@ -20,18 +20,17 @@ algorithms, fp32 throughout: the same command writes the same bytes.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from beam_hpu.tiny.dflash2_drafter import MASK_TOKEN_ID, TRAIN_BLOCK, DFlash2Shape, init_drafter, write_dflash2
 from beam_hpu.tiny.tasks import Tasks
-from beam_hpu.tiny.train_drafter import PHASE1, TARGET, draw, load_target, target_states, weights_digest
+from beam_hpu.tiny.train_drafter import (PHASE1, TARGET, draw, load_target, target_states, trainer_cli,
+                                         weights_digest)
 
 DEFAULTS = dict(steps=800, lr=3e-3, seed=0, max_len=560, tokens=1600, anchors=16)
 ROW_DECAY = 0.85
@@ -163,17 +162,7 @@ def offline_acceptance(drafter, steps: int = 4, seed: int = 1, tokens: int = 160
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("out", help="drafter directory to write")
-    for k, v in DEFAULTS.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
-    args = ap.parse_args(argv)
-    hp = {k: getattr(args, k) for k in DEFAULTS}
-    drafter = train(**hp)
-    digest = weights_digest(drafter.published())
-    write_dflash2(Path(args.out), drafter, {**hp, "target": TARGET.name, "sha256": digest})
-    print(f"wrote {args.out} (weights sha256: {digest[:16]})")
-    return 0
+    return trainer_cli(argv, __doc__.split("\n")[0], DEFAULTS, train, write_dflash2)
 
 
 if __name__ == "__main__":

@@ -135,18 +135,24 @@ def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def trainer_cli(argv, description: str, defaults: dict, train, write) -> int:
+    """A drafter trainer's command line: OUT and one --option per hyperparameter; writes the trained
+    drafter with its hyperparameters, target and weights digest as metadata."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("out", help="drafter directory to write")
-    for k, v in DEFAULTS.items():
+    for k, v in defaults.items():
         ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
     args = ap.parse_args(argv)
-    hp = {k: getattr(args, k) for k in DEFAULTS}
+    hp = {k: getattr(args, k) for k in defaults}
     drafter = train(**hp)
     digest = weights_digest(drafter.published())
-    write_drafter(Path(args.out), drafter, {**hp, "target": TARGET.name, "sha256": digest})
+    write(Path(args.out), drafter, {**hp, "target": TARGET.name, "sha256": digest})
     print(f"wrote {args.out} (weights sha256: {digest[:16]})")
     return 0
+
+
+def main(argv=None) -> int:
+    return trainer_cli(argv, __doc__.split("\n")[0], DEFAULTS, train, write_drafter)
 
 
 if __name__ == "__main__":

@@ -3,19 +3,21 @@ a multi-rank engine waits while another worker's multi-rank engine runs; a singl
 
 import fcntl
 import re
+import select
 import subprocess
 import sys
+import threading
 import time
 
 from tests.support.engines import REPO
 from tests.support.parallel import both_cores, both_cores_lock_path
 
 HOLD = """
-import sys, time
+import sys
 from tests.support.parallel import both_cores
 with both_cores(int(sys.argv[1])):
     print("held", flush=True)
-    time.sleep(float(sys.argv[2]))
+    sys.stdin.readline()  # until the test lets go
 """
 
 
@@ -29,34 +31,52 @@ def held_elsewhere() -> bool:
         return False
 
 
-def hold_in_child(tp: int, seconds: float) -> subprocess.Popen:
-    child = subprocess.Popen([sys.executable, "-c", HOLD, str(tp), str(seconds)], cwd=REPO, stdout=subprocess.PIPE,
-                             text=True)
+def hold_in_child(tp: int) -> subprocess.Popen:
+    """A process (another worker's engine) inside both_cores(tp) until its stdin gets a line."""
+    child = subprocess.Popen([sys.executable, "-c", HOLD, str(tp)], cwd=REPO, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    if not select.select([child.stdout], [], [], 30)[0]:  # it waits for the cores: a defect, not a hang
+        child.kill()
+        raise AssertionError(f"a TP {tp} engine did not get in within 30 s")
     assert child.stdout.readline().strip() == "held"
     return child
 
 
+def let_go(child: subprocess.Popen):
+    child.communicate("go\n", timeout=30)
+
+
 def test_a_multi_rank_engine_waits_for_another_workers_multi_rank_engine(monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", f"harness-test-{time.monotonic_ns()}")
-    child = hold_in_child(2, 2.0)
+    child = hold_in_child(2)
+    entered = threading.Event()
+
+    def engine():
+        with both_cores(2):
+            entered.set()
+
+    waiter = threading.Thread(target=engine, daemon=True)
     try:
         assert held_elsewhere()
-        start = time.monotonic()
-        with both_cores(2):
-            waited = time.monotonic() - start
-        assert waited > 1.0  # entered only once the child let go (it holds the cores for 2 s)
+        waiter.start()
+        # The child holds the cores until told otherwise, so however slow the host, entering now is the defect.
+        assert not entered.wait(0.5)
     finally:
-        child.wait(10)
+        let_go(child)
+    assert entered.wait(30)
+    waiter.join(30)
     assert not held_elsewhere()
 
 
 def test_a_single_rank_engine_neither_takes_nor_waits_for_the_cores(monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", f"harness-test-{time.monotonic_ns()}")
-    child = hold_in_child(1, 0.0)
-    child.wait(10)
     with both_cores(2):
-        child = hold_in_child(1, 0.0)  # would block here if TP 1 took the lock
-        child.wait(10)
+        let_go(hold_in_child(1))  # hold_in_child would block here if TP 1 took the lock
+    child = hold_in_child(1)
+    try:
+        assert not held_elsewhere()  # and a TP 1 engine leaves the cores free
+    finally:
+        let_go(child)
 
 
 def test_the_shared_server_modules_are_the_fixtures_users_and_one_unit_of_work():

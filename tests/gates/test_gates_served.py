@@ -1,7 +1,9 @@
 """The whole gate suite, CPU profile, against the tiny trained Beam served by `vllm serve` (its bf16
 checkpoint and its FP8 quantisation), and broken copies of it that must fail a gate: full layers
-given a window, the window off by one, the attention output gate dropped, experts swapped behind
-the router.
+given a window (served), the window off by one, the attention output gate dropped, experts swapped
+behind the router. The last four are judged by the perplexity gate on offline engines in one
+process (tests/support/offline_endpoint.py: the same engine and prompt-logprobs path below the HTTP
+layer), beside the unbroken checkpoint as the control that must pass there.
 
 Every server here computes at the CPU profile's reference precision (float32): like with like on
 every host. In bf16 the served kernels and the reference round differently from one ISA to the
@@ -20,7 +22,7 @@ from beam_hpu.gates.client import Endpoint
 from beam_hpu.gates.profile import get_profile
 from beam_hpu.gates.run import run_gates
 from beam_hpu.tiny.checkpoint import TRAINED_DIR
-from tests.support.engines import REPO
+from tests.support.engines import REPO, engine_spec, run_engines
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
@@ -98,18 +100,6 @@ def test_full_layers_given_a_window_fail_copy_and_needles(tmp_path):
     assert not results["copy"].passed and not results["needles"].passed, _report(results)
 
 
-@pytest.mark.parametrize("delta", [+1, -1])
-def test_window_off_by_one_fails_the_perplexity_gate(tmp_path, delta):
-    """One too long shows only in KL on a tool conversation (0.0058 vs the CPU bar 0.003, measured in
-    bf16; see beam_hpu/gates/README.md, "Calibration", for float32); one too short moves that conversation's
-    perplexity by 12.5% (measured on transformers' Beam)."""
-    broken = _copy(tmp_path, f"window{delta:+d}")
-    cfg = json.loads((broken / "config.json").read_text())
-    _edit_config(broken, sliding_window=cfg["sliding_window"] + delta)
-    results = serve_and_gate(broken, ["perplexity"], reference=TRAINED_DIR)
-    assert not results["perplexity"].passed, _report(results)
-
-
 def _drop_attention_gate(sd):
     import torch
 
@@ -127,9 +117,49 @@ def _swap_experts(sd):
             sd[k], sd[other] = sd[other], sd[k]
 
 
-@pytest.mark.parametrize("name,corrupt", [("dropped-gate", _drop_attention_gate), ("wrong-routing", _swap_experts)])
-def test_corrupted_checkpoint_fails_the_perplexity_gate(tmp_path, name, corrupt):
-    broken = _copy(tmp_path, name)
-    _edit_weights(broken, corrupt)
-    results = serve_and_gate(broken, ["perplexity"], reference=TRAINED_DIR)
-    assert not results["perplexity"].passed, _report(results)
+def _window(delta):
+    def edit(d):
+        cfg = json.loads((d / "config.json").read_text())
+        _edit_config(d, sliding_window=cfg["sliding_window"] + delta)
+    return edit
+
+
+# One too long shows only in KL on a tool conversation (0.0058 vs the CPU bar 0.003, measured in bf16;
+# see beam_hpu/gates/README.md, "Calibration", for float32); one too short moves that conversation's
+# perplexity by 12.5% (measured on transformers' Beam).
+BROKEN = {
+    "window+1": _window(+1),
+    "window-1": _window(-1),
+    "dropped-gate": lambda d: _edit_weights(d, _drop_attention_gate),
+    "wrong-routing": lambda d: _edit_weights(d, _swap_experts),
+}
+
+
+@pytest.fixture(scope="module")
+def perplexity_verdicts(tmp_path_factory):
+    """The perplexity gate on each broken copy and on the unbroken checkpoint, each an offline
+    engine with the served command line's engine settings, one after the other in one process."""
+    root = tmp_path_factory.mktemp("broken")
+    dirs = {"unbroken": TRAINED_DIR}
+    for name, edit in BROKEN.items():
+        dirs[name] = _copy(root, name)
+        edit(dirs[name])
+    job = {"gates": ["perplexity"], "profile": PROFILE.name, "reference_checkpoint": str(TRAINED_DIR)}
+    specs = [engine_spec(d, [job], dtype=PROFILE.reference_dtype, load_format="beam", max_model_len=4096,
+                         kv_cache_bytes=256 << 20, prefix_caching=True,
+                         engine_kwargs={"block_size": 128, "max_num_seqs": 16, "max_num_batched_tokens": 4096})
+             for d in dirs.values()]
+    verdicts = {name: gates[0][0] for name, gates in zip(dirs, run_engines(specs))}
+    for name, v in verdicts.items():
+        print(f"{name}: perplexity {'PASS' if v['passed'] else 'FAIL'}: {v['result']}")
+    return verdicts
+
+
+def test_the_unbroken_checkpoint_passes_the_perplexity_gate_offline(perplexity_verdicts):
+    assert perplexity_verdicts["unbroken"]["passed"], perplexity_verdicts["unbroken"]
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_broken_checkpoint_fails_the_perplexity_gate(perplexity_verdicts, name):
+    assert perplexity_verdicts["unbroken"]["passed"], "the control must pass first"
+    assert not perplexity_verdicts[name]["passed"], perplexity_verdicts[name]

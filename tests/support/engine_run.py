@@ -1,7 +1,11 @@
-"""Run one vLLM engine (offline `LLM`) on a checkpoint and answer a list of token-id jobs.
+"""Run vLLM engines (offline `LLM`) on checkpoints and answer a list of token-id jobs for each.
 
-Run as a subprocess (`python -m tests.support.engine_run SPEC.json OUT.json`): every engine config
-gets a clean process, as vLLM expects, and pytest's process never holds an engine.
+Run as a subprocess (`python -m tests.support.engine_run SPEC.json OUT.json`): pytest's process never
+holds an engine. SPEC is one engine's spec, or {"engines": [spec, ...]}: those run one after the
+other in the same process, each torn down (engine core, model-parallel groups, distributed
+environment) before the next starts, which saves the ~10 s of importing vLLM per engine. A test
+puts engines in one process only when nothing it asserts depends on process state they could
+share (their checkpoints differ, and each also has a control run in the same process).
 Jobs:
   {"prompt_logprobs": [ids]}             -> logprob of each prompt token given its prefix
   {"greedy": [ids], "max_tokens": n}     -> greedy token ids and their logprobs
@@ -16,6 +20,9 @@ Jobs:
   {"kv_scales": true}                    -> per worker: each Attention layer's KV-cache dtype and k/v/q scales
   {"mutate_expert_map": true}            -> test mutation: roll every MoE layer's expert map by one slot
                                             on every worker (wrong experts from here on); later jobs see it
+  {"gates": [names], "profile": P, "reference_checkpoint": DIR}
+                                         -> the named gates run against this engine through
+                                            tests/support/offline_endpoint.py: [{gate, passed, result}]
 """
 
 import functools
@@ -92,6 +99,12 @@ def attention_kv_scales(model) -> dict:
 
 
 def run(spec: dict) -> dict:
+    if "engines" in spec:
+        return {"results": [run_one(one)["results"] for one in spec["engines"]]}
+    return run_one(spec)
+
+
+def run_one(spec: dict) -> dict:
     jobs = spec["jobs"]
     if any(key in job for job in jobs for key in ("dump_state", "experts", "mutate_expert_map", "kv_scales")):
         # LLM.apply_model ships a function to the workers by pickle, which vLLM allows only when asked.
@@ -168,10 +181,32 @@ def run(spec: dict) -> dict:
             from tests.support.engine_run import roll_expert_maps
 
             results.append({"changed_layers": llm.apply_model(roll_expert_maps)})
+        elif "gates" in job:
+            from beam_hpu.gates.profile import get_profile
+            from beam_hpu.gates.run import run_gates
+            from tests.support.offline_endpoint import OfflineEndpoint
+
+            ep = OfflineEndpoint(llm, spec["model"])
+            gates = run_gates(ep, get_profile(job["profile"]), job["gates"],
+                              reference_checkpoint=job.get("reference_checkpoint"))
+            results.append([{"gate": g.gate, "passed": g.passed, "result": g.result} for g in gates])
         else:
             raise ValueError(f"unknown job {job}")
-    llm.llm_engine.engine_core.shutdown()
+    stop(llm)
     return {"results": results}
+
+
+def stop(llm) -> None:
+    """Tear the engine down so that another can start in this process."""
+    import gc
+
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    gc.collect()
 
 
 if __name__ == "__main__":

@@ -40,11 +40,23 @@ def run_in_group(cmd: list[str], *, timeout: float, env: dict) -> subprocess.Com
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
 
 
-def run_engine(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="auto", timeout=900, env=None,
-               **kw) -> list:
+def engine_spec(model, jobs, *, dtype="float32", tp=1, ep=False, load_format="auto", **kw) -> dict:
+    return dict(model=str(model), jobs=jobs, dtype=dtype, tp=tp, ep=ep, load_format=load_format, **kw)
+
+
+def run_engine(model, jobs, *, timeout=900, env=None, **kw) -> list:
     """Start one engine in a subprocess, run the jobs, return their results (see engine_run.py).
     `env`: variables set for the engine process on top of this one's (e.g. a port switch)."""
-    spec = dict(model=str(model), jobs=jobs, dtype=dtype, tp=tp, ep=ep, load_format=load_format, **kw)
+    return _run(engine_spec(model, jobs, **kw), kw.get("tp", 1), timeout, env)
+
+
+def run_engines(specs: list[dict], *, timeout=900, env=None) -> list[list]:
+    """`engine_spec`s run one after the other in one subprocess (engine_run.py says when a test may
+    share one); each engine's results, in order."""
+    return _run({"engines": specs}, max(s["tp"] for s in specs), timeout, env)
+
+
+def _run(spec: dict, tp: int, timeout: float, env: dict | None) -> list:
     with tempfile.TemporaryDirectory() as d:
         spec_path, out_path = Path(d, "spec.json"), Path(d, "out.json")
         spec_path.write_text(json.dumps(spec))

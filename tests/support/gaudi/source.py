@@ -9,6 +9,7 @@ numpy, stand-ins for Habana helpers). What runs is the file's code, patched or s
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import sys
 import types
@@ -34,12 +35,24 @@ def find_def(tree: ast.Module, name: str, cls: str | None = None) -> ast.Functio
 def load(path: Path, name: str, cls: str | None = None, **globals_):
     """The function `name` (a method of `cls` if given) of the file at `path`, as a plain
     function bound to `globals_`, or None when the file has no such function."""
-    tree = ast.parse(path.read_text())
-    node = find_def(tree, name, cls)
+    code = _function_code(str(path), path.read_text(), name, cls)
+    if code is None:
+        return None
+    namespace = dict(globals_, __builtins__=__builtins__)
+    exec(code, namespace)
+    return namespace[name]
+
+
+@functools.lru_cache(maxsize=512)
+def _function_code(path: str, text: str, name: str, cls: str | None):
+    """The compiled definition of one function of a file, by the file's text: tests load the same
+    functions thousands of times (one KV write per layer and step), and parsing the whole runner
+    file each time was half of their run time."""
+    node = find_def(ast.parse(text), name, cls)
     if node is None:
         return None
     node.decorator_list = []
-    return run_statements([node], f"{path}:{name}", dict(globals_))[name]
+    return compile(ast.fix_missing_locations(ast.Module(body=[node], type_ignores=[])), f"{path}:{name}", "exec")
 
 
 def method_body_if(path: Path, method: str, cls: str, test: str) -> ast.If:

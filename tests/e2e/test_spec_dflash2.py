@@ -7,13 +7,23 @@ round alike only there). At temperature 0 every answer is identical: copy comple
 chat answers with reasoning, a tool call and a json_schema answer (the beam parsers and the
 response grammar on every chat step), streamed and not. The proposer must have drafted, and its
 mean accepted length is printed.
+
+Sampled requests are exact in distribution: the same two servers draw the first two tokens of
+SAMPLES seeded completions (temperature 1, top_k, top_p) at a prompt where the first token is all
+but certain and the second is not, and where the drafted token at the second position is the
+target's top token there (~0.5): the plain server's top logprobs give the expected distribution,
+and a chi-square test at ALPHA must accept both servers' draws and reject what a verifier
+accepting every draft, or none, would emit. On the drafted server vLLM refuses `min_p` and
+`logit_bias` (both served without speculation) with HTTP 400 naming the field.
 """
 
 import json
 import random
+import time
 
 import httpx
 import pytest
+import torch
 from openai import OpenAI
 
 from beam_hpu.demo.serve import draft_arguments
@@ -47,6 +57,60 @@ def chat_requests():
     ]
 
 
+# The chat template without the generation prompt: the prompt ends at the user's <|end|>, so the
+# model's first token is <|start|> (p ~ 0.999) and its second the next message's role, where the
+# tiny model hesitates: `ass`(istant) ~ 0.51, `sys`(tem) ~ 0.43, `ity` ~ 0.03. The tiny
+# drafter drafts `ass` there, the target's top token. Found by scanning chat prompts offline with
+# the committed target and drafter; the tests below re-establish every premise on the servers.
+DISTRIBUTION_MESSAGES = [{"role": "user", "content": "Repeat after me: Seoul Berlin"}]
+SAMPLING = {"temperature": 1.0, "top_k": 5, "top_p": 0.98}  # top_p drops the 4th and 5th of the top 5 there
+SAMPLES = 400
+FIRST_SEED = 1000
+ALPHA = 1e-4  # the chi-square test's false-alarm rate: the chance a correct verifier's draws fail it
+REFUSED = {"min_p": 0.1, "logit_bias": {"5": 1.0}}  # SamplingParams._validate_spec_decode's two
+
+
+def distribution_prompt() -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TRAINED_DIR))
+    return list(tok.apply_chat_template(DISTRIBUTION_MESSAGES, tokenize=True, return_dict=False))
+
+
+def second_token_draws(server) -> dict:
+    """The prompt's greedy first two tokens with the top logprobs at each (and the spec counters'
+    change over that one request), then SAMPLES seeded draws of the first two tokens: one
+    completions request with n = SAMPLES, whose i-th sample vLLM seeds FIRST_SEED + i, so the
+    server batches them as separate seeded requests."""
+    url, prompt = f"{server.base_url}/completions", distribution_prompt()
+    before = spec_counters(server)
+    greedy = httpx.post(url, json={"model": server.model, "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                   "logprobs": SAMPLING["top_k"], "return_tokens_as_token_ids": True,
+                                   "return_token_ids": True}, timeout=120).json()["choices"][0]
+    greedy_counters = spec_counters(server)
+    start = time.monotonic()
+    sampled = httpx.post(url, json={"model": server.model, "prompt": prompt, "max_tokens": 2, "n": SAMPLES,
+                                    "seed": FIRST_SEED, "return_token_ids": True, **SAMPLING}, timeout=600)
+    seconds = time.monotonic() - start
+    sampled.raise_for_status()
+    after = spec_counters(server)
+    top = [{int(t.removeprefix("token_id:")): lp for t, lp in row.items()} for row in greedy["logprobs"]["top_logprobs"]]
+    return {"greedy": list(greedy["token_ids"]), "top_logprobs": top, "seconds": seconds,
+            "greedy_counters": {k: greedy_counters[k] - before[k] for k in before},
+            "sampled_counters": {k: after[k] - greedy_counters[k] for k in before},
+            "draws": [tuple(c["token_ids"]) for c in sampled.json()["choices"]]}
+
+
+def refusals(server) -> dict[str, tuple[int, str]]:
+    """Status and error message of one chat request per field in REFUSED."""
+    out = {}
+    for field, value in REFUSED.items():
+        body = {"model": server.model, "messages": chat_requests()[0]["messages"], "max_tokens": 8, field: value}
+        r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120)
+        out[field] = (r.status_code, r.json().get("error", {}).get("message", "") if r.status_code != 200 else "")
+    return out
+
+
 def run_all(server) -> dict:
     client = OpenAI(base_url=server.base_url, api_key="none")
     copies = []
@@ -56,7 +120,9 @@ def run_all(server) -> dict:
         copies.append(list(c.token_ids))
     copy_counters = spec_counters(server)
     chats = [[chat_once(client, server.model, r, stream, max_tokens=64) for stream in (False, True)] for r in chat_requests()]
-    return {"copies": copies, "chats": chats, "copy_counters": copy_counters, "all_counters": spec_counters(server)}
+    all_counters = spec_counters(server)
+    return {"copies": copies, "chats": chats, "copy_counters": copy_counters, "all_counters": all_counters,
+            "distribution": second_token_draws(server), "refusals": refusals(server)}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +156,93 @@ def test_chat_answers_identical_streamed_and_not(runs):
     assert json.loads(plain[2]["content"]) == {"city": "Cairo"}
     c = spec["all_counters"]
     print(f"DFlash2 tiny drafter over every request: mean accepted length {1 + c['accepted'] / c['drafts']:.2f}")
+
+
+def sampled_distribution(top_logprobs: dict[int, float], temperature: float, top_k: int, top_p: float) -> dict[int, float]:
+    """The distribution vLLM's sampler draws from, from raw logprobs (vLLM 0.30's default
+    logprobs mode) of at least the top_k largest tokens: scaled by the temperature, the top_k
+    largest kept and renormalised, then top-p as `apply_top_k_top_p_pytorch` does it: in
+    ascending order, a token goes while the running sum up to it is at most 1 - top_p (the
+    largest always stays)."""
+    assert len(top_logprobs) >= top_k
+    kept = sorted(top_logprobs.items(), key=lambda item: item[1], reverse=True)[:top_k]
+    probs = torch.tensor([lp for _, lp in kept], dtype=torch.float64).div(temperature).softmax(0)
+    ascending = probs.flip(0)
+    dropped = ascending.cumsum(0) <= 1 - top_p
+    dropped[-1] = False
+    kept_probs = torch.where(dropped, 0.0, ascending).flip(0)
+    kept_probs = kept_probs / kept_probs.sum()
+    return {token: float(p) for (token, _), p in zip(kept, kept_probs) if p > 0}
+
+
+def chi_square_p_value(counts: dict[int, int], expected: dict[int, float]) -> float:
+    """Pearson's goodness-of-fit p-value of `counts` against `expected` (a draw of a token
+    outside it, probability 0, gives 0). Survival function of chi-square with (cells - 1)
+    degrees of freedom: the regularised upper incomplete gamma function Q(df / 2, x / 2)."""
+    if any(n and token not in expected for token, n in counts.items()):
+        return 0.0
+    total = sum(counts.values())
+    statistic = sum((counts.get(token, 0) - total * p) ** 2 / (total * p) for token, p in expected.items())
+    df = len(expected) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def second_token_counts(draws: list[tuple[int, ...]], first: int) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for tokens in draws:
+        if tokens[0] == first:  # the second token's law is the target's given this first one
+            counts[tokens[1]] = counts.get(tokens[1], 0) + 1
+    return counts
+
+
+def test_sampled_requests_are_exact_in_distribution_with_dflash2_drafts(runs):
+    """Drafts are point masses, so for the drafted token d the verifier emits d with probability
+    p(d) and otherwise a draw from p without d: the second token must follow the target's sampled
+    distribution. The same test rejects accept-all (always d) and reject-all (never d), so it
+    cannot pass whatever the verifier does with the draft."""
+    base, spec = runs
+    plain, drafted_run = base["distribution"], spec["distribution"]
+    first, top = plain["greedy"][0], plain["top_logprobs"]
+    expected = sampled_distribution(top[1], **SAMPLING)
+    # Premises: the first token all but certain; the greedy second token (the target's top one) is
+    # the drafted one: a greedy verify step accepted the first draft of that single request.
+    assert sampled_distribution(top[0], **SAMPLING) == {first: 1.0}
+    assert drafted_run["greedy"] == plain["greedy"]
+    draft = plain["greedy"][1]
+    g = drafted_run["greedy_counters"]
+    assert g["drafts"] == 1 and g["accepted"] >= 1, g
+    assert 0.2 < expected[draft] < 0.8, expected
+    assert min(expected.values()) * SAMPLES >= 5, expected  # chi-square's approximation holds
+    # Every sampled request went through a verify step with drafts (what the verifier accepted is
+    # judged by the distribution below)
+    c = drafted_run["sampled_counters"]
+    assert c["drafts"] >= SAMPLES, c
+    assert plain["sampled_counters"]["drafts"] == 0
+
+    for name, run in (("plain", plain), ("dflash2", drafted_run)):
+        counts = second_token_counts(run["draws"], first)
+        assert sum(counts.values()) == SAMPLES, (name, counts)
+        p_value = chi_square_p_value(counts, expected)
+        print(f"{name}: second token {counts} vs expected {({t: round(p * SAMPLES, 1) for t, p in expected.items()})}, "
+              f"chi-square p = {p_value:.3g}; {SAMPLES} draws in {run['seconds']:.1f} s, spec counters {run['sampled_counters']}")
+        assert p_value >= ALPHA, (name, counts, expected)
+
+    rest = 1 - expected[draft]
+    accept_all = {draft: SAMPLES}
+    reject_all = {t: round(SAMPLES * p / rest) for t, p in expected.items() if t != draft}
+    for counts in (accept_all, reject_all):
+        assert chi_square_p_value(counts, expected) < ALPHA, counts
+
+
+def test_dflash2_server_refuses_min_p_and_logit_bias_naming_the_field(runs):
+    """vLLM refuses both under speculative decoding (SamplingParams._validate_spec_decode); the
+    drafted server must answer 400 naming the field, neither a 500 nor an answer that ignores it."""
+    base, spec = runs
+    for field in REFUSED:
+        assert base["refusals"][field][0] == 200, (field, base["refusals"][field])
+        status, message = spec["refusals"][field]
+        assert status == 400 and field in message, (field, status, message)
 
 
 def demo_answers(server) -> list[dict]:

@@ -26,7 +26,7 @@ import torch
 
 from beam_hpu.quant.fp8_checkpoint import BEAM_FP8_IGNORE, load_checkpoint_tensors, quantize_checkpoint
 from beam_hpu.tiny.checkpoint import CONDITIONED_POST_NORM_GAIN, write_tiny_checkpoint
-from tests.support.engines import max_abs_delta, mean_abs_delta, run_engine
+from tests.support.engines import engine_spec, max_abs_delta, mean_abs_delta, run_engines
 from tests.support.prompts import prompts
 
 pytestmark = pytest.mark.slow
@@ -82,40 +82,47 @@ def assert_each_rank_holds_only_its_experts(ranks, model_dir):
 
 @pytest.fixture(scope="module")
 def tp2ep_runs():
-    """(checkpoint dir, dtype) -> its TP=2+EP engine's answers (see tp2ep_run), one engine each for
-    the module: the comparison with TP=1 and the mutation test read the same run."""
+    """(checkpoint dir, dtype) -> {engine: its results} for the module (see engine_runs): the
+    comparison with TP=1 and the mutation test read the same runs."""
     return {}
 
 
-def tp2ep_run(model_dir, dtype, cache) -> dict:
-    """One TP=2+EP engine: the prompts' logprobs, the expert inventory, then every layer's expert
-    map rolled by one (the mutation) and the prompts again. Returns {"logprobs", "inventory",
-    "changed_layers", "mutated"}; the mutation runs after everything the correct engine answers."""
+def engine_runs(model_dir, dtype, cache, control=False) -> dict:
+    """The engines on one checkpoint, one after the other in one process (run_engines; each TP 2
+    engine's ranks are processes of their own): "tp1"; "tp2+ep": the prompts' logprobs, the expert
+    inventory, then every layer's expert map rolled by one (the mutation) and the prompts again, as
+    {"logprobs", "inventory", "changed_layers", "mutated"}; with `control`, "tp2" (TP=2 without EP)."""
     key = (str(model_dir), dtype)
-    if key not in cache:
-        jobs = [{"prompt_logprobs": p} for p in prompts(model_dir)]
-        results = run_engine(model_dir, jobs + [{"experts": True}, {"mutate_expert_map": True}] + jobs, dtype=dtype,
-                             tp=2, ep=True, max_model_len=512)
-        n = len(jobs)
-        cache[key] = {"logprobs": results[:n], "inventory": results[n]["ranks"],
-                      "changed_layers": results[n + 1]["changed_layers"], "mutated": results[n + 2:]}
-    return cache[key]
+    entry = cache.setdefault(key, {})
+    jobs = [{"prompt_logprobs": p} for p in prompts(model_dir)]
+    specs = {
+        "tp1": engine_spec(model_dir, jobs, dtype=dtype, max_model_len=512),
+        "tp2+ep": engine_spec(model_dir, jobs + [{"experts": True}, {"mutate_expert_map": True}] + jobs, dtype=dtype,
+                              tp=2, ep=True, max_model_len=512),
+        "tp2": engine_spec(model_dir, jobs, dtype=dtype, tp=2, max_model_len=512),
+    }
+    missing = [name for name in ("tp1", "tp2+ep", "tp2")[: 3 if control else 2] if name not in entry]
+    if missing:
+        entry.update(zip(missing, run_engines([specs[name] for name in missing])))
+    if isinstance(entry.get("tp2+ep"), list):
+        results, n = entry["tp2+ep"], len(jobs)
+        entry["tp2+ep"] = {"logprobs": results[:n], "inventory": results[n]["ranks"],
+                           "changed_layers": results[n + 1]["changed_layers"], "mutated": results[n + 2:]}
+    return entry
 
 
 def run_pair(model_dir, dtype, cache, control=False):
     """TP=1 and TP=2+EP on the same prompts; with `control`, also TP=2 without EP. Returns
     ({run: (max, mean) |delta logprob| vs TP=1 over all positions}, TP=2+EP expert inventory)."""
-    ps = prompts(model_dir)
-    jobs = [{"prompt_logprobs": p} for p in ps]
-    tp1 = run_engine(model_dir, jobs, dtype=dtype, max_model_len=512)
-    ep = tp2ep_run(model_dir, dtype, cache)
-    runs = {"tp2+ep": ep["logprobs"]}
+    runs = engine_runs(model_dir, dtype, cache, control)
+    compared = {"tp2+ep": runs["tp2+ep"]["logprobs"]}
     if control:
-        runs["tp2"] = run_engine(model_dir, jobs, dtype=dtype, tp=2, max_model_len=512)
+        compared["tp2"] = runs["tp2"]
     flat = lambda results: [x for r in results for x in r["prompt_logprobs"]]  # noqa: E731
-    deltas = {name: (max_abs_delta(flat(tp1), flat(r)), mean_abs_delta(flat(tp1), flat(r))) for name, r in runs.items()}
+    tp1 = flat(runs["tp1"])
+    deltas = {name: (max_abs_delta(tp1, flat(r)), mean_abs_delta(tp1, flat(r))) for name, r in compared.items()}
     print(f"{model_dir.name} {dtype}: |delta logprob| vs TP1 (max, mean): {deltas}")
-    return deltas, ep["inventory"]
+    return deltas, runs["tp2+ep"]["inventory"]
 
 
 def assert_ep_adds_nothing_to_tp(deltas):
@@ -176,7 +183,7 @@ def test_a_wrongly_mapped_expert_id_fails_these_bounds(ckpt, dtype, request, tp2
     The deviation it causes breaks every bound above: the 1e-4 max of the exact comparison, the
     1e-3 mean of the FP8 one and the 0.05 mean of the TP-controlled ones."""
     model_dir = request.getfixturevalue(ckpt)
-    run = tp2ep_run(model_dir, dtype, tp2ep_runs)
+    run = engine_runs(model_dir, dtype, tp2ep_runs)["tp2+ep"]
     before, after = run["logprobs"], run["mutated"]
     assert run["changed_layers"] == [MOE_LAYERS] * WORLD
     flat = lambda results: [x for r in results for x in r["prompt_logprobs"]]  # noqa: E731

@@ -17,15 +17,19 @@ import pytest
 import torch
 
 from tests.loader.accounting import expected_rank_bytes, header_bytes
-from tests.support.engines import run_engine
+from tests.support.engines import engine_spec, run_engines
 
 
-
-def loaded_states(model, tmp_path, load_format, dtype, tp, ep):
-    out = tmp_path / f"{load_format}-tp{tp}-ep{int(ep)}"
-    out.mkdir()
-    (ranks,) = run_engine(model, [{"dump_state": str(out)}], dtype=dtype, tp=tp, ep=ep, load_format=load_format)
-    return [(torch.load(r["path"]), r["load_report"]) for r in ranks]
+def loaded_states(model, tmp_path, dtype, tp, ep) -> dict:
+    """load format -> each rank's (state, load report): `auto`'s engine, then `beam`'s, one after
+    the other in one process (each engine's ranks are processes of their own)."""
+    specs = []
+    for load_format in ("auto", "beam"):
+        out = tmp_path / f"{load_format}-tp{tp}-ep{int(ep)}"
+        out.mkdir()
+        specs.append(engine_spec(model, [{"dump_state": str(out)}], dtype=dtype, tp=tp, ep=ep, load_format=load_format))
+    return {load_format: [(torch.load(r["path"]), r["load_report"]) for r in ranks]
+            for load_format, (ranks,) in zip(("auto", "beam"), run_engines(specs))}
 
 
 def assert_identical(auto: dict, beam: dict, where: str) -> int:
@@ -40,8 +44,8 @@ def assert_identical(auto: dict, beam: dict, where: str) -> int:
 
 def check_identity(model, tmp_path, dtype, configs):
     for tp, ep in configs:
-        auto = loaded_states(model, tmp_path, "auto", dtype, tp, ep)
-        beam = loaded_states(model, tmp_path, "beam", dtype, tp, ep)
+        states = loaded_states(model, tmp_path, dtype, tp, ep)
+        auto, beam = states["auto"], states["beam"]
         assert len(auto) == len(beam) == tp
         for rank, ((a, _), (b, report)) in enumerate(zip(auto, beam)):
             where = f"{model.name} tp={tp} ep={ep} rank {rank}"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engines import REPO, cpu_env
+from tests.support.engines import REPO, offline_env
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def engine(checkpoints, tmp_path_factory):
             spec_path, out_path = work / f"{len(runs)}.json", work / f"{len(runs)}.out.json"
             spec_path.write_text(json.dumps({"model": str(checkpoints(kind, fp8)), "prompts": PROMPTS,
                                              "schedule": schedule}))
-            env = dict(cpu_env(1), VLLM_PLUGINS=PLUGINS[plugins], BEAM_PREFILL_INFLIGHT="1")
+            env = dict(offline_env(1), VLLM_PLUGINS=PLUGINS[plugins], BEAM_PREFILL_INFLIGHT="1")
             proc = subprocess.run([sys.executable, "-m", "tests.support.scope_engine", str(spec_path), str(out_path)],
                                   cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   timeout=600)

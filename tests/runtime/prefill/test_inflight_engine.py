@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.support.engines import cpu_env, run_in_group
+from tests.support.engines import offline_env, run_in_group
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def _measure(scenario, tmp_path):
     out = tmp_path / f"{scenario}.json"
     proc = run_in_group([sys.executable, "benchmarks/prefill_inflight.py", "--scenario", scenario, "--json", str(out)],
-                        env=cpu_env(1), timeout=1200)
+                        env=offline_env(1), timeout=1200)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return json.loads(out.read_text())
 

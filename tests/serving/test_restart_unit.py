@@ -63,7 +63,10 @@ def test_wait_ready_returns_once_health_answers(health):
 def test_wait_ready_fails_after_its_timeout(health):
     r = subprocess.run(["bash", str(SERVING / "wait-ready.sh"), health.url, "1", "0.2"], capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode == 1 and "not ready" in r.stderr and health.calls >= 2
+    # It gave up: exit 1 and the message. How many tries fit in the 1 s is the host's business (a
+    # loaded host's first curl has taken the whole second; `date +%s` also counts whole seconds);
+    # retrying is what the test above shows (three failed tries, then ready).
+    assert r.returncode == 1 and "not ready" in r.stderr and health.calls >= 1
 
 
 def fake_systemctl(tmp_path: Path, state: str) -> Path:

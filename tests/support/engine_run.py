@@ -4,8 +4,9 @@ Run as a subprocess (`python -m tests.support.engine_run SPEC.json OUT.json`): p
 holds an engine. SPEC is one engine's spec, or {"engines": [spec, ...]}: those run one after the
 other in the same process, each torn down (engine core, model-parallel groups, distributed
 environment) before the next starts, which saves the ~10 s of importing vLLM per engine. A test
-puts engines in one process only when nothing it asserts depends on process state they could
-share (their checkpoints differ, and each also has a control run in the same process).
+puts engines in one process only where a leak between them could make it fail, never pass: their
+checkpoints differ, the engines that must miss a bound run after the ones that must meet it, and a
+multi-rank engine's ranks are processes of their own.
 Jobs:
   {"prompt_logprobs": [ids]}             -> logprob of each prompt token given its prefix
   {"greedy": [ids], "max_tokens": n}     -> greedy token ids and their logprobs
@@ -26,6 +27,7 @@ Jobs:
 """
 
 import functools
+import gc
 import json
 import os
 import sys
@@ -100,7 +102,11 @@ def attention_kv_scales(model) -> dict:
 
 def run(spec: dict) -> dict:
     if "engines" in spec:
-        return {"results": [run_one(one)["results"] for one in spec["engines"]]}
+        results = []
+        for one in spec["engines"]:
+            results.append(run_one(one)["results"])
+            gc.collect()  # the finished engine's last references went with run_one's frame
+        return {"results": results}
     return run_one(spec)
 
 
@@ -198,15 +204,11 @@ def run_one(spec: dict) -> dict:
 
 def stop(llm) -> None:
     """Tear the engine down so that another can start in this process."""
-    import gc
-
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
 
     llm.llm_engine.engine_core.shutdown()
-    del llm
     destroy_model_parallel()
     destroy_distributed_environment()
-    gc.collect()
 
 
 if __name__ == "__main__":

@@ -115,12 +115,15 @@ def rope_parameters(config: Any) -> dict:
 class DFlash2Context:
     """Per-layer context keys/values of each request, as `DFlash2BeamModel.context_kv` made them.
 
-    keys, values [L, R, C, Nkv, D]; positions [R, C]; valid [R, C] (False: padding slot)."""
+    keys, values [L, R, C, Nkv, D]; positions [R, C]; valid [R, C] (False: padding slot);
+    block_valid [R, B] or None: block rows that are keys for the block (False past the model
+    length, where the proposer clamps a row's position)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor
+    block_valid: torch.Tensor | None = None
 
 
 class DFlash2Conv(nn.Module):
@@ -194,7 +197,7 @@ class DFlash2BeamAttention(nn.Module):
         out = block_attention(
             q.view(R, B, self.num_heads, self.head_dim), k.view(R, B, self.num_kv_heads, self.head_dim),
             v.view(R, B, self.num_kv_heads, self.head_dim), positions, ctx_k, ctx_v, ctx.positions, ctx.valid,
-            self.window, self.head_dim**-0.5,
+            self.window, self.head_dim**-0.5, ctx.block_valid,
         )  # [R, B, Nq, D]
         out, _ = self.o_proj(out.reshape(R * B, self.q_size))
         return out.view(R, B, H)

@@ -58,19 +58,23 @@ def block_attention(
     ctx_valid: torch.Tensor,
     window: int | None,
     scale: float,
+    block_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Non-causal attention of each query block over its context and over the whole block.
 
     q [R, B, Nq, D]; k, v [R, B, Nkv, D] (the block's own keys); q_pos [R, B]; ctx_k, ctx_v
-    [R, C, Nkv, D]; ctx_pos [R, C]; ctx_valid [R, C] bool (padding slots False). Returns
-    [R, B, Nq, D]. Query head h reads KV head h // (Nq / Nkv). Softmax in fp32.
+    [R, C, Nkv, D]; ctx_pos [R, C]; ctx_valid [R, C] bool (padding slots False); block_valid
+    [R, B] bool or None (all True): a block row that is False is no key for the others (a row
+    past the model length). Returns [R, B, Nq, D]. Query head h reads KV head h // (Nq / Nkv).
+    Softmax in fp32.
     """
     R, B, Nq, D = q.shape
     Nkv = k.shape[2]
     keys = torch.cat([ctx_k, k], dim=1).float()  # [R, C+B, Nkv, D]
     values = torch.cat([ctx_v, v], dim=1).float()
     key_pos = torch.cat([ctx_pos, q_pos], dim=1)  # [R, C+B]
-    seen = torch.cat([ctx_valid, torch.ones_like(q_pos, dtype=torch.bool)], dim=1)[:, None, :]  # [R, 1, C+B]
+    own = torch.ones_like(q_pos, dtype=torch.bool) if block_valid is None else block_valid
+    seen = torch.cat([ctx_valid, own], dim=1)[:, None, :]  # [R, 1, C+B]
     if window is not None:
         gap = q_pos[:, :, None] - key_pos[:, None, :]  # [R, B, C+B]
         seen = seen & (gap < window) & (gap > -window)

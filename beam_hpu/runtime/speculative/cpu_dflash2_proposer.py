@@ -125,7 +125,8 @@ class CpuDFlash2Proposer(DFlashProposer):
                 return torch.empty(len(contexts), 0, dtype=torch.long, device=bonus_ids.device)
             k, v, ctx_pos, valid = dflash2_context.batch(contexts)
             last = torch.tensor([c.last_position for c in contexts], device=bonus_ids.device)
-            ids, block_pos = dflash2_context.block_inputs(bonus_ids, last, block, self.mask_token_id)
-            hidden = self.model(ids, block_pos, DFlash2Context(k, v, ctx_pos, valid))
+            ids, block_pos, in_range = dflash2_context.block_inputs(bonus_ids, last, block, self.mask_token_id,
+                                                                    self.max_model_len)
+            hidden = self.model(ids, block_pos, DFlash2Context(k, v, ctx_pos, valid, in_range))
             tokens, _, _ = self.model.draft_greedy(hidden, ids[:, 0])
         return tokens

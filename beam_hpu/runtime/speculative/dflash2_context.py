@@ -64,12 +64,23 @@ def batch(contexts: list[RequestContext]) -> tuple[torch.Tensor, torch.Tensor, t
     return keys, values, positions, valid
 
 
-def block_inputs(bonus_ids: torch.Tensor, last_positions: torch.Tensor, block: int,
-                 mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block of each request: ids [R, block] (the bonus token, then mask tokens) and their
-    positions [R, block], from last + 1 on (the bonus token follows the last accepted token)."""
+def block_inputs(bonus_ids: torch.Tensor, last_positions: torch.Tensor, block: int, mask_token_id: int,
+                 max_model_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block of each request: ids [R, block] (the bonus token, then mask tokens), positions
+    [R, block] from last + 1 on (the bonus token follows the last accepted token), and in_range
+    [R, block]: the rows below max_model_len.
+
+    Near the end of the model length a block reaches past it: the drafts there are dropped by the
+    scheduler (a request has no room for them), but their rows still run. Such a row takes
+    position max_model_len - 1 (the drafter's RoPE table ends at its max_position_embeddings,
+    which may be the model length: an index past it stops the engine on CPU and reads past the
+    table on a card) and is no key for the other rows (`DFlash2Context.block_valid`), so the rows
+    that can still be accepted draft from their own positions and the context only.
+    """
     R = bonus_ids.shape[0]
     ids = torch.full((R, block), mask_token_id, dtype=torch.long, device=bonus_ids.device)
     ids[:, 0] = bonus_ids.long()
     offsets = torch.arange(1, block + 1, device=last_positions.device)
-    return ids, last_positions.long()[:, None] + offsets[None]
+    positions = last_positions.long()[:, None] + offsets[None]
+    in_range = positions < max_model_len
+    return ids, positions.clamp(max=max_model_len - 1), in_range

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from beam_hpu.model.dflash2 import DFlash2Context
 from beam_hpu.runtime.speculative import dflash2_context
 from tests.support.dflash2_served import tiny_dflash2
 
@@ -48,9 +49,34 @@ def test_batch_pads_and_marks_padding_invalid():
     assert keys.shape == (L, 2, 3, NKV, D) and values.shape == keys.shape
     assert positions.tolist() == [[0, 1, 2], [4, 0, 0]]
     assert valid.tolist() == [[True, True, True], [True, False, False]]
-    ids, pos = dflash2_context.block_inputs(torch.tensor([7, 9]), torch.tensor([2, 4]), 4, 511)
+    ids, pos, in_range = dflash2_context.block_inputs(torch.tensor([7, 9]), torch.tensor([2, 4]), 4, 511, 100)
     assert ids.tolist() == [[7, 511, 511, 511], [9, 511, 511, 511]]
     assert pos.tolist() == [[3, 4, 5, 6], [5, 6, 7, 8]]
+    assert in_range.all()
+
+
+def test_block_rows_past_the_model_length_take_no_part():
+    """A block that reaches past max_model_len: its rows there sit at max_model_len - 1 (inside
+    the RoPE table) and are no keys, so the rows below draft what a block cut at max_model_len
+    drafts (the convolution's taps look back only), and the step runs where an index past the
+    RoPE table would stop it."""
+    model = tiny_dflash2()
+    mml = model.config.max_position_embeddings  # the model length at the RoPE table's end
+    g = torch.Generator().manual_seed(1)
+    width = model.model.fc.input_size
+    ctx_pos = torch.arange(mml - 40, mml - 3)[None]
+    with torch.no_grad():
+        keys, values = model.context_kv(model.combine_hidden_states(torch.randn(37, width, generator=g)), ctx_pos[0])
+        context = lambda rows=None: DFlash2Context(keys[:, None], values[:, None], ctx_pos,  # noqa: E731
+                                                   torch.ones_like(ctx_pos, dtype=torch.bool), rows)
+        ids, pos, in_range = dflash2_context.block_inputs(torch.tensor([5]), ctx_pos[:, -1], 8, model.mask_token_id, mml)
+        assert pos.tolist() == [[mml - 3, mml - 2] + [mml - 1] * 6]
+        assert in_range.tolist() == [[True] * 3 + [False] * 5]
+        cut = model(ids[:, :3], pos[:, :3], context())
+        with pytest.raises(IndexError):  # unclamped: past the RoPE table
+            model(ids, ctx_pos[:, -1:] + torch.arange(1, 9)[None], context())
+        whole = model(ids, pos, context(in_range))
+    torch.testing.assert_close(whole[:, :3], cut, rtol=1e-5, atol=1e-5)
 
 
 def test_the_walk_follows_its_rule_over_token_ids():
@@ -86,7 +112,7 @@ def _proposer(model, window):
 
     p = object.__new__(CpuDFlash2Proposer)  # the engine-free part: what propose() reads
     p.model, p.window, p.mask_token_id, p.contexts = model, window, model.mask_token_id, {}
-    p.vllm_config, p.num_speculative_tokens = VllmConfig(), 3
+    p.vllm_config, p.num_speculative_tokens, p.max_model_len = VllmConfig(), 3, model.config.max_position_embeddings
     p.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"]), requests={"a": 0, "b": 0})
     seen = []
     model.register_forward_hook(lambda m, i, out: seen.append(out.clone()))

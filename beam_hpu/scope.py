@@ -6,6 +6,7 @@ or its index entry says why it must be global (`scope`, beam_hpu/runtime/__init_
 units). Three ways to ask, by what the caller holds:
 - `is_beam_model_type(model_type)`: a model_type string (vllm-gaudi's runner hands one out).
 - `serves_beam(vllm_config)`: an object that keeps its engine's VllmConfig (the scheduler).
+- `serves_beam_dflash2(vllm_config)`: a runner choosing its drafter (Beam with Beam's DFlash2).
 - `building_beam()`: code that runs while vLLM builds the model's layers (quant methods, linear
   kernels), inside vLLM's `set_current_vllm_config` context; outside it (no config) the answer is
   False, so a layer made by hand gets vLLM's own behaviour.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from beam_hpu.names import MODEL_TYPE
+from beam_hpu.names import DRAFT_ARCH, MODEL_TYPE
 
 
 def model_type_of(vllm_config: Any) -> str | None:
@@ -31,6 +32,14 @@ def is_beam_model_type(model_type: str | None) -> bool:
 
 def serves_beam(vllm_config: Any) -> bool:
     return is_beam_model_type(model_type_of(vllm_config))
+
+
+def serves_beam_dflash2(vllm_config: Any) -> bool:
+    """A Beam target with `"method": "dflash"` and a drafter whose architectures name Beam's DFlash2."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.method != "dflash" or not serves_beam(vllm_config):
+        return False
+    return DRAFT_ARCH in (getattr(spec.draft_model_config, "architectures", None) or [])
 
 
 def building_beam() -> bool:

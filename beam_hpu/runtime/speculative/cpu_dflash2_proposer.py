@@ -25,20 +25,10 @@ from typing import Any
 import torch
 
 from beam_hpu.model.dflash2 import DFlash2Context
-from beam_hpu.names import DRAFT_ARCH
 from beam_hpu.runtime.speculative import dflash2_context
-from beam_hpu.scope import serves_beam
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-
-
-def serves_beam_dflash2(vllm_config: Any) -> bool:
-    """A Beam target with `"method": "dflash"` and a drafter whose architectures name Beam's DFlash2."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None or spec.method != "dflash" or not serves_beam(vllm_config):
-        return False
-    return DRAFT_ARCH in (getattr(spec.draft_model_config, "architectures", None) or [])
 
 
 class CpuDFlash2Proposer(DFlashProposer):

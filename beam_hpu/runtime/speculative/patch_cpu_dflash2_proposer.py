@@ -15,7 +15,8 @@ NAME = "cpu-dflash2-proposer"
 def _with_dflash2_drafter(stock_init):
     def __init__(self, vllm_config, *args, **kwargs):
         stock_init(self, vllm_config, *args, **kwargs)
-        from beam_hpu.runtime.speculative.cpu_dflash2_proposer import CpuDFlash2Proposer, serves_beam_dflash2
+        from beam_hpu.runtime.speculative.cpu_dflash2_proposer import CpuDFlash2Proposer
+        from beam_hpu.scope import serves_beam_dflash2
 
         # The stock runner has just built DFlashProposer (its branch for "dflash"); only a Beam
         # target with a DFlash2 Beam drafter gets this one, every other model keeps vLLM's.

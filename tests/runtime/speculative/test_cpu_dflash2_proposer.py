@@ -168,7 +168,7 @@ def test_finished_requests_leave_the_store():
 
 
 def test_only_a_beam_target_with_a_dflash2_beam_drafter_gets_the_proposer():
-    from beam_hpu.runtime.speculative.cpu_dflash2_proposer import serves_beam_dflash2
+    from beam_hpu.scope import serves_beam_dflash2
 
     def config(model_type, method, arch):
         spec = SimpleNamespace(method=method, draft_model_config=SimpleNamespace(architectures=[arch]))

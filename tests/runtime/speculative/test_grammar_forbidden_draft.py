@@ -61,7 +61,7 @@ def manager(request):
     config = VllmConfig(model_config=model, speculative_config=spec)
     assert config.speculative_config.method == request.param  # vLLM would rename a method it does not know
     if request.param == "dflash":  # the configuration the runtime patch gives Beam's DFlash2 proposer
-        from beam_hpu.runtime.speculative.cpu_dflash2_proposer import serves_beam_dflash2
+        from beam_hpu.scope import serves_beam_dflash2
 
         assert serves_beam_dflash2(config)
     return StructuredOutputManager(config)

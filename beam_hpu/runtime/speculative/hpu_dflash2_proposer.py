@@ -1,0 +1,189 @@
+"""A DFlash2 proposer for vllm-gaudi's HPUModelRunner, for Beam's drafter (beam_hpu.model.dflash2).
+
+vllm-gaudi builds only NgramProposer and HpuEagleProposer; for `"method": "dflash"` (which vLLM
+0.30.0 counts as EAGLE) it would draft sequentially with EAGLE's loop. The port unit
+`beam-dflash2-proposer` builds this class instead for a Beam target with a DFlash2 Beam drafter
+and routes the runner's drafting to `propose`. What the CPU proposer (`cpu_dflash2_proposer`)
+does with lists grown on the host, this one does with shapes fixed per (batch bucket, block), so
+that a card compiles and captures one graph per decode batch bucket and block:
+
+- the context is a `dflash2_ring.ContextRing` (W = the drafter's window rows per request slot,
+  a slot per sequence the runner can hold), written in the same step as the block is drafted;
+- a decode step hands the drafter all B x (k + 1) rows of vllm-gaudi's padded verify layout and a
+  [B, k + 1] mask of the accepted ones (built on the host from the sampled token lists the runner
+  already read back), the bonus tokens and the slots as [B] tensors: three small host-to-device
+  copies, no `nonzero` or read-back; this step is captured (an HPU graph per batch bucket);
+- a prefill batch hands its [bs, T] rows (vllm-gaudi pads positions with -1: those rows, and rows
+  older than the window, go to the ring's spare slot), uncaptured;
+- the block: the bonus token and k mask tokens after each request's last accepted position, rows
+  past max_model_len clamped and masked (`dflash2_context.block_inputs`), then the selector's
+  greedy walk.
+
+Drafts are point masses, as the runner's other drafters': the port's `beam-sampled-verify` and
+`beam-grammar-verify` verify them unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from beam_hpu.model.dflash2 import target_aux_layer_ids
+from beam_hpu.runtime.speculative import dflash2_context
+from beam_hpu.runtime.speculative.dflash2_ring import ContextRing, SlotTable
+
+
+class DFlash2Step(nn.Module):
+    """One drafting step: store the step's context rows, draft one block per request. Every
+    input's shape is fixed by (batch, rows per request); `block` and the model length are fixed
+    at construction."""
+
+    def __init__(self, drafter: nn.Module, ring: ContextRing, block: int, max_model_len: int) -> None:
+        super().__init__()
+        self.drafter, self.ring = drafter, ring
+        self.block, self.max_model_len = block, max_model_len
+        self.mask_token_id = int(drafter.mask_token_id)
+
+    def forward(self, states: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor,
+                bonus: torch.Tensor) -> torch.Tensor:
+        """states [R * T, n * H] (the target's auxiliary states, rows in positions' order), positions
+        and valid [R, T], slots and bonus [R] -> drafts [R, block - 1]."""
+        # padding rows carry position -1 (prefill) or 0: inside the RoPE table, stored nowhere
+        keys, values = self.drafter.context_kv(self.drafter.combine_hidden_states(states),
+                                               positions.clamp(min=0).reshape(-1))
+        self.ring.write(slots, positions, keys, values, valid)
+        last = torch.where(valid, positions, -1).amax(dim=1)  # [R]: the last accepted position
+        ids, block_pos, in_range = dflash2_context.block_inputs(bonus, last, self.block, self.mask_token_id,
+                                                                self.max_model_len)
+        hidden = self.drafter(ids, block_pos, self.ring.context(slots, last, in_range))
+        tokens, _, _ = self.drafter.draft_greedy(hidden, ids[:, 0])
+        return tokens
+
+
+class HpuDFlash2Proposer:
+    """The runner's drafter (`self.drafter`). No attribute `model`: vllm-gaudi would wrap one in its
+    HpuModelAdapter, which only fits a model called like the target; `step` is captured as is."""
+
+    def __init__(self, vllm_config: Any, device: torch.device | str, runner: Any = None) -> None:
+        spec = vllm_config.speculative_config
+        draft = spec.draft_model_config.hf_config
+        self.vllm_config, self.device, self.runner = vllm_config, torch.device(device), runner
+        self.num_speculative_tokens = int(spec.num_speculative_tokens)
+        self.window = int(draft.sliding_window)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        # The target's layers whose outputs the drafter reads (the runner asks for these).
+        self.target_aux_layer_ids = tuple(target_aux_layer_ids(draft))
+        self.slots = SlotTable(int(vllm_config.scheduler_config.max_num_seqs))
+        self.step: nn.Module | None = None
+
+    def load_model(self, target_model: nn.Module) -> None:
+        from vllm.model_executor.model_loader import get_model
+
+        spec = self.vllm_config.speculative_config
+        drafter = get_model(vllm_config=self.vllm_config, model_config=spec.draft_model_config,
+                            load_config=spec.draft_load_config)
+        self.attach(drafter, target_model)
+
+    def attach(self, drafter: nn.Module, target_model: nn.Module | None = None) -> None:
+        """Give the drafter the target's embedding and LM head (its checkpoint has neither) and
+        build the step with its ring on the drafter's device."""
+        if target_model is not None:
+            drafter.model.embed_tokens = target_model.model.embed_tokens
+            drafter.lm_head = target_model.lm_head
+        attn = drafter.model.layers[0].self_attn
+        weight = drafter.model.fc.weight
+        ring = ContextRing(len(drafter.model.layers), self.slots.spare, self.window, attn.num_kv_heads, attn.head_dim,
+                           weight.dtype, weight.device)
+        self.step = DFlash2Step(drafter, ring, self.num_speculative_tokens + 1, self.max_model_len)
+        # Prefill batches run the step uncaptured (one graph per prompt bucket would be captured
+        # otherwise); Habana's wrap_in_hpu_graph replaces the module's forward in place, so the
+        # bound method taken first stays the plain one.
+        self.eager_step = self.step.forward
+        if self.device.type == "hpu":
+            _capture_in_hpu_graphs(self.step)
+
+    @property
+    def ring(self) -> ContextRing:
+        return self.step.ring
+
+    def propose(self, runner: Any, sampled_token_ids: list[list[int]], aux_hidden_states: list[torch.Tensor] | None,
+                aux_hidden_states_prefills: list[list[torch.Tensor]] | None, num_decodes: int, prefill_data: Any,
+                decode_data: Any) -> torch.Tensor:
+        """Drafts [decodes + prefilled requests, k] for one runner step, in the runner's order
+        (decodes first, then each prefill batch's requests)."""
+        self.slots.release_absent(set(runner.requests))
+        drafts = []
+        if decode_data is not None and num_decodes:
+            drafts.append(self._decode(runner, sampled_token_ids, aux_hidden_states, num_decodes, decode_data))
+        if prefill_data is not None:
+            for idx, req_ids in enumerate(prefill_data.request_ids):
+                drafts.append(self._prefill(runner, sampled_token_ids, aux_hidden_states_prefills[idx], req_ids,
+                                            prefill_data.position_ids[idx]))
+        if not drafts:
+            return torch.zeros(0, self.num_speculative_tokens, dtype=torch.long, device=self.device)
+        return torch.cat(drafts)
+
+    def _decode(self, runner, sampled_token_ids, aux_hidden_states, num_decodes, decode_data) -> torch.Tensor:
+        rows = decode_data.position_ids.numel()
+        meta = decode_data.spec_decode_metadata
+        # vllm-gaudi lays a verify step out as the padded batch x (its largest draft count + 1)
+        batch = len(meta.num_draft_tokens) if meta is not None else rows
+        per = rows // batch
+        valid = torch.zeros(batch, per, dtype=torch.bool)
+        bonus = torch.zeros(batch, dtype=torch.long)
+        owners: list[str | None] = [None] * batch
+        for i in range(num_decodes):
+            tokens = sampled_token_ids[i]
+            if tokens:  # rows 0..len - 1 hold the last bonus token and the accepted drafts
+                valid[i, :len(tokens)] = True
+                bonus[i] = tokens[-1]
+                owners[i] = runner.input_batch.req_ids[i]
+        positions = decode_data.position_ids.reshape(batch, per).long()
+        states = _rows(aux_hidden_states, rows).view(batch, per, -1)
+        # Steps whose sequences all carry fewer than k drafts (the grammar trimmed them, or the
+        # model length) are laid out narrower: padded to k + 1 rows, they take the same graph.
+        width = self.num_speculative_tokens + 1
+        if per < width:
+            states = torch.nn.functional.pad(states, (0, 0, 0, width - per))
+            positions = torch.nn.functional.pad(positions, (0, width - per))
+            valid = torch.nn.functional.pad(valid, (0, width - per))
+        drafts = self._run(self.step, states.reshape(batch * width, -1), positions, valid.to(positions.device),
+                           owners, bonus)
+        return drafts[:num_decodes]
+
+    def _prefill(self, runner, sampled_token_ids, aux_states, req_ids, positions) -> torch.Tensor:
+        bs, T = positions.shape
+        bonus = torch.zeros(bs, dtype=torch.long)
+        for r, req_id in enumerate(req_ids):
+            tokens = sampled_token_ids[runner.input_batch.req_id_to_index[req_id]]
+            bonus[r] = tokens[-1] if tokens else 0  # a chunk short of the prompt's end: drafts unused
+        owners = list(req_ids) + [None] * (bs - len(req_ids))
+        positions = positions.long()
+        drafts = self._run(self.eager_step, _rows(aux_states, bs * T), positions, positions >= 0, owners, bonus)
+        return drafts[:len(req_ids)]
+
+    def _run(self, step, states, positions, valid, owners, bonus) -> torch.Tensor:
+        slots, new = self.slots.assign(owners)
+        device = positions.device
+        for slot in new:
+            self.ring.clear(torch.tensor([slot], device=device))
+        from vllm.forward_context import set_forward_context
+
+        with set_forward_context(None, self.vllm_config, num_tokens=states.shape[0]):
+            return step(states, positions, valid, torch.tensor(slots, device=device), bonus.to(device))
+
+
+def _rows(states: list[torch.Tensor], rows: int) -> torch.Tensor:
+    """The target's auxiliary states (one tensor per read layer) as [rows, n * H]."""
+    return torch.cat([s.reshape(rows, -1) for s in states], dim=-1)
+
+
+def _capture_in_hpu_graphs(step: nn.Module) -> None:
+    """In lazy mode, one HPU graph per input shapes (Habana's wrap_in_hpu_graph, as vllm-gaudi wraps
+    its models: it keys captured graphs by the inputs' shapes and dtypes and replaces `forward`)."""
+    import habana_frameworks.torch as htorch
+
+    if htorch.utils.internal.is_lazy():
+        htorch.hpu.wrap_in_hpu_graph(step, disable_tensor_cache=True)

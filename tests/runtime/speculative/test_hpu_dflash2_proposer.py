@@ -1,0 +1,218 @@
+"""The Gaudi DFlash2 proposer (beam_hpu.runtime.speculative.hpu_dflash2_proposer) on CPU, driven
+as vllm-gaudi's runner drives it (prefill batches padded with position -1, verify steps in the
+padded B x (k + 1) layout, sampled token lists on the host), with the committed tiny drafter:
+
+- its drafts equal a block drafted over every accepted row at once (the CPU proposer's context
+  functions, which tests/runtime/speculative/test_cpu_dflash2_proposer.py checks against the
+  whole context recomputed), through rejected drafts, padding requests, a window that wraps the
+  ring, a narrower verify step, and a finished request's slot taken by a new one;
+- the captured step records one and the same set of ops and shapes on every decode step, with
+  no nonzero, read-back or boolean-mask index.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from beam_hpu.model.dflash2 import DFlash2Context
+from beam_hpu.runtime.speculative import dflash2_context
+from beam_hpu.runtime.speculative.hpu_dflash2_proposer import HpuDFlash2Proposer
+from tests.support.dflash2_served import tiny_dflash2
+
+K = 3  # drafted tokens a step (block 4)
+N_STATES = 5  # target layers the drafter reads (the tiny drafter's, as the published one's)
+
+
+@pytest.fixture(autouse=True)
+def vllm_config():
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        yield
+
+
+def proposer(model, *, max_num_seqs=4, max_model_len=None):
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=K,
+                                           draft_model_config=SimpleNamespace(hf_config=model.config)),
+        model_config=SimpleNamespace(max_model_len=max_model_len or model.config.max_position_embeddings),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
+    p = HpuDFlash2Proposer(config, "cpu")
+    from vllm.config import get_current_vllm_config
+
+    p.vllm_config = get_current_vllm_config()  # what the step's forward context reads
+    p.attach(model)
+    return p
+
+
+class Runner:
+    """What the proposer reads of vllm-gaudi's runner: its requests and input batch order."""
+
+    def __init__(self, req_ids):
+        self.requests = {r: None for r in req_ids}
+        self.input_batch = SimpleNamespace(req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)})
+
+
+def per_layer(states):
+    """[rows, n * H] -> the runner's auxiliary states, one [rows, H] tensor per read layer."""
+    return list(states.chunk(N_STATES, dim=-1))
+
+
+def prefill(p, runner, rows, bonus, T=12, bs=4):
+    """One prefill batch: request r's rows[r] = (first position, [n, n * H] states), padded to bs x T."""
+    width = next(iter(rows.values()))[1].shape[-1]
+    positions = torch.full((bs, T), -1, dtype=torch.int32)
+    states = torch.zeros(bs, T, width)
+    for i, (start, s) in enumerate(rows.values()):
+        positions[i, :s.shape[0]] = torch.arange(start, start + s.shape[0])
+        states[i, :s.shape[0]] = s
+    sampled = [[] for _ in runner.input_batch.req_ids]
+    for req_id, token in bonus.items():
+        sampled[runner.input_batch.req_id_to_index[req_id]] = [token]
+    data = SimpleNamespace(request_ids=[list(rows)], position_ids=[positions])
+    return p.propose(runner, sampled, None, [per_layer(states.view(bs * T, -1))], 0, data, None)
+
+
+def verify(p, runner, first, states, sampled, per=K + 1, batch=4):
+    """One verify step of the decodes in runner order: sequence i's rows at first[i] .. + per - 1
+    (states [per, n * H] each, rejected rows included), sampled[i] its accepted tokens + bonus."""
+    n = len(first)
+    width = states[0].shape[-1]
+    positions = torch.zeros(batch * per, 1, dtype=torch.int32)
+    rows = torch.zeros(batch * per, width)
+    for i in range(n):
+        positions[i * per:(i + 1) * per, 0] = torch.arange(first[i], first[i] + per)
+        rows[i * per:(i + 1) * per] = states[i]
+    meta = SimpleNamespace(num_draft_tokens=[per - 1] * n + [0] * (batch - n))
+    data = SimpleNamespace(position_ids=positions, spec_decode_metadata=meta)
+    return p.propose(runner, sampled, per_layer(rows), None, n, None, data)
+
+
+def reference(model, contexts, bonus, max_model_len=None):
+    """Drafts of blocks over each request's accepted (positions, states) fed at once."""
+    window = model.config.sliding_window
+    kept = []
+    with torch.no_grad():
+        for pos, states in contexts:
+            k, v = model.context_kv(model.combine_hidden_states(states), pos)
+            kept.append(dflash2_context.extend(None, pos, k, v, window))
+        keys, values, ctx_pos, valid = dflash2_context.batch(kept)
+        last = torch.tensor([c.last_position for c in kept])
+        ids, block_pos, in_range = dflash2_context.block_inputs(
+            torch.tensor(bonus), last, K + 1, model.mask_token_id, max_model_len or model.config.max_position_embeddings)
+        hidden = model(ids, block_pos, DFlash2Context(keys, values, ctx_pos, valid, in_range))
+        return model.draft_greedy(hidden, ids[:, 0])[0]
+
+
+@pytest.mark.parametrize("window", [4096, 6])
+def test_drafts_equal_blocks_over_the_accepted_context_fed_at_once(window):
+    """a prefills 9 tokens, b 5 (one batch padded to 4 x 12); a verify step accepts 1 of a's 3
+    drafts (two rejected rows of garbage) and all of b's; a narrower step (2 rows each: the grammar
+    trimmed the drafts) accepts a's one and none of b's. With a window of 6 the ring wraps."""
+    model = tiny_dflash2(sliding_window=window)
+    width = model.model.fc.input_size
+    g = torch.Generator().manual_seed(0)
+    full = {"a": torch.randn(13, width, generator=g), "b": torch.randn(10, width, generator=g)}
+    garbage = torch.full((2, width), 1e4)
+    runner = Runner(["a", "b"])
+    p = proposer(model)
+    with torch.no_grad():
+        drafts = prefill(p, runner, {"a": (0, full["a"][:9]), "b": (0, full["b"][:5])}, {"a": 3, "b": 4})
+        assert torch.equal(drafts, reference(model, [(torch.arange(9), full["a"][:9]),
+                                                      (torch.arange(5), full["b"][:5])], [3, 4]))
+        # verify: a's rows 9..12 (accepts 1: rows 9, 10), b's rows 5..8 (accepts 3: rows 5..8)
+        drafts = verify(p, runner, [9, 5], [torch.cat([full["a"][9:11], garbage]), full["b"][5:9]],
+                        [[7, 21], [8, 8, 8, 22]])
+        assert torch.equal(drafts, reference(model, [(torch.arange(11), full["a"][:11]),
+                                                      (torch.arange(9), full["b"][:9])], [21, 22]))
+        # a narrower step: a's rows 11, 12 (accepts 1), b's rows 9, 10 (accepts 0)
+        drafts = verify(p, runner, [11, 9], [full["a"][11:13], torch.cat([full["b"][9:10], garbage[:1]])],
+                        [[5, 23], [24]], per=2)
+        assert torch.equal(drafts, reference(model, [(torch.arange(13), full["a"]),
+                                                      (torch.arange(10), full["b"])], [23, 24]))
+
+
+def test_a_finished_requests_slot_holds_nothing_for_the_next():
+    """a held the only slot (positions 0..10); c takes it after a prefix-cache hit on 8 tokens, so
+    its first rows are 8..11: the ring rows of positions 0..7 still hold a's keys, at positions
+    below c's last, and c's block must not see them."""
+    model = tiny_dflash2()
+    width = model.model.fc.input_size
+    g = torch.Generator().manual_seed(1)
+    a, c = torch.randn(11, width, generator=g), torch.randn(4, width, generator=g)
+    p = proposer(model, max_num_seqs=1)
+    with torch.no_grad():
+        prefill(p, Runner(["a"]), {"a": (0, a)}, {"a": 3})
+        drafts = prefill(p, Runner(["c"]), {"c": (8, c)}, {"c": 9})
+        assert torch.equal(drafts, reference(model, [(torch.arange(8, 12), c)], [9]))
+        with pytest.raises(RuntimeError, match="no context slot left for request 'e'"):
+            prefill(p, Runner(["c", "e"]), {"e": (0, c)}, {"e": 9})
+
+
+def test_a_block_past_max_model_len_drafts_what_the_rows_below_it_can():
+    model = tiny_dflash2()
+    width = model.model.fc.input_size
+    mml = 11  # a's last accepted position after prefill is 9: the block's rows sit at 10 .. 13
+    a = torch.randn(10, width, generator=torch.Generator().manual_seed(2))
+    p = proposer(model, max_model_len=mml)
+    with torch.no_grad():
+        drafts = prefill(p, Runner(["a"]), {"a": (0, a)}, {"a": 3})
+    assert torch.equal(drafts, reference(model, [(torch.arange(10), a)], [3], max_model_len=mml))
+
+
+class StepOps(TorchDispatchMode):
+    """(op, shapes and dtypes of its tensors) of every op while `recording` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.recording, self.ops = False, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.recording:
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            # a boolean tensor as an index: a shape that follows the mask's count
+            masks = "index" in str(func) and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool
+                                                 for t in tree_flatten(args[1:])[0])
+            self.ops.add((str(func), tuple((tuple(t.shape), t.dtype) for t in tensors), masks))
+        return out
+
+
+def test_every_decode_step_runs_the_same_device_ops():
+    """20 verify steps of a padded batch of 4 with 1..3 live sequences, random accepted counts and
+    some narrower steps: the captured step records the same ops and shapes each time."""
+    model = tiny_dflash2()
+    width = model.model.fc.input_size
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(3)
+    p = proposer(model)
+    names = ["a", "b", "c"]
+    length = {r: 6 for r in names}
+    with torch.no_grad():
+        prefill(p, Runner(names), {r: (0, torch.randn(6, width, generator=g)) for r in names}, {r: 1 for r in names})
+        seen = []
+        for _ in range(20):
+            live = names[:rng.randint(1, 3)]
+            per = rng.choice([K + 1, K + 1, 2])
+            accepted = [rng.randint(1, per) for _ in live]
+            recorder = StepOps()
+            hooks = [p.step.register_forward_pre_hook(lambda *_: setattr(recorder, "recording", True)),
+                     p.step.register_forward_hook(lambda *_: setattr(recorder, "recording", False))]
+            with recorder:
+                verify(p, Runner(live), [length[r] for r in live], [torch.randn(per, width, generator=g) for _ in live],
+                       [[5] * n for n in accepted], per=per)
+            for h in hooks:
+                h.remove()
+            for r, n in zip(live, accepted):
+                length[r] += n
+            seen.append(recorder.ops)
+    assert seen[0] and all(ops == seen[0] for ops in seen)
+    names_seen = {op for op, _, _ in seen[0]}
+    assert not any("nonzero" in op or "_local_scalar_dense" in op or "masked_select" in op for op in names_seen)
+    assert not any(masks for _, _, masks in seen[0])

@@ -47,6 +47,7 @@ UNIT_TESTS = {
                              "tests/runtime/window_kv/test_tree_cache_worker.py"],
     "beam-window-kv-steps": ["tests/runtime/window_kv/test_tree_steps.py"],
     "beam-window-kv-metadata": ["tests/runtime/window_kv/test_tree_forward.py"],
+    "beam-dflash2-proposer": ["tests/runtime/speculative/test_tree_dflash2_proposer.py"],
 }
 
 

@@ -32,7 +32,7 @@ TREE_PROFILES_DIR = Path(os.environ.get("GAUDI_PROFILES_DIR") or PROFILES_DIR)
 TINY_BEAM = REPO / "beam_hpu" / "tiny" / "data" / "trained_tiny"
 PORT_UNITS = ["beam-exact-window", "beam-grammar-device-mask", "beam-fsdpa-tiles", "beam-grammar-verify",
               "beam-eagle-draft-end", "beam-sampled-verify", "beam-exact-rounding", "beam-moe-gather",
-              "beam-window-kv-cache", "beam-window-kv-steps", "beam-window-kv-metadata"]
+              "beam-window-kv-cache", "beam-window-kv-steps", "beam-window-kv-metadata", "beam-dflash2-proposer"]
 
 
 def gaudi_root() -> Path:

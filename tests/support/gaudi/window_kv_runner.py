@@ -2,7 +2,7 @@
 
 `tree_runner_class` compiles, from the file, HPUModelRunner's step-building methods (_prepare_inputs
 down to _create_decode_input_data, _form_prefill_batch, their dummy and spec-decode helpers, the
-warm-up's _add_dummy_request and the EAGLE propose methods) into one class, with the module-level
+warm-up's _add_dummy_request and the drafting methods) into one class, with the module-level
 records they build (BatchContents, PrefillInputData, DecodeInputData, merge_contents, ...) and the
 tree's own async_h2d_copy, align_and_pad and pad_list (the host copy stays on the host). Stand-ins
 only for what has no CPU form or no part in a step's inputs: the attention metadata record (a
@@ -36,7 +36,8 @@ STEP_METHODS = (
     "_make_attn_bias", "_create_dummy_prefill_batch_contents", "_prepare_decode_inputs",
     "_create_dummy_decode_input_data", "_create_decode_input_data", "get_habana_paged_attn_buffers",
     "_prepare_spec_decode_inputs", "_get_cumsum_and_arange", "_get_attention_group_id_for_hybrid",
-    "_add_dummy_request", "propose_eagle_decode", "propose_eagle_prefill", "_prepare_input_ids")
+    "_add_dummy_request", "propose_eagle_decode", "propose_eagle_prefill", "_prepare_input_ids",
+    "propose_draft_token_ids")
 MODULE_NAMES = ("BatchContents", "PrefillInputData", "DecodeInputData", "merge_contents", "shallow_tuple",
                 "round_up", "flatten", "empty_list", "BucketingFailedException", "exact_decode_window",
                 "mark_window_starts", "EXACT_DECODE_WINDOW_MODELS")

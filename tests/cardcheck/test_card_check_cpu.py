@@ -4,9 +4,11 @@ the report written as JSON, every figure labelled as CPU stand-ins."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from beam_hpu.cardcheck.device import CPU_LABEL
 
+REPO = Path(__file__).resolve().parents[2]
 PREMISES = ["moe", "cast", "storage", "fsdpa", "verify", "window_kv", "verify_rows", "dflash2_block", "dflash2"]
 
 
@@ -41,3 +43,9 @@ def test_quick_cpu_run_writes_a_verdict_per_premise(tmp_path):
     assert set(gain) >= {"verify_8_over_1", "block_over_verify_1", "accepted", "gain", "gain_by_accepted"}
     assert by["dflash2"]["verdict"] in ("pays", "off: no gain")
     assert {v["switch"] for v in report["verdicts"][-3:]} == {"--speculative-config dflash (serving/launch-dflash2.sh)"}
+    # The report feeds benchmarks/decode_model.py's DFlash2 figure, which says it is no card's.
+    model = subprocess.run([sys.executable, "benchmarks/decode_model.py", "--card-check", str(out)],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert model.returncode == 0, model.stderr[-3000:]
+    assert f"{rows['ratio_to_1_row']['8']:.3f}: card-check" in model.stdout
+    assert f"NOTE: the card-check report is {CPU_LABEL}" in model.stdout

@@ -27,13 +27,24 @@ against BEAM_MOE_GATHER=0, everything else the recipe's (256-token completions, 
 row). This model predicts the figures printed under "the card measurement"; a result within the
 run-to-run spread of 29 tok/s refutes the serial, dense-streaming premise.
 
+A second figure, DFlash2 at one stream (Beam's block drafter, 7 drafted tokens a step), is a
+model of the same kind: a step emits the mean accepted length L and costs a verify step of 8 rows
+plus the drafter's block, both in units of a 1-row decode step, so
+
+  tok/s = one-stream tok/s x L / (verify(8) / verify(1) + block / verify(1))
+
+Its inputs default to the speculative README's plan (verify(8) ~ 1 step, block ~ 0.1 step, L 2.5 /
+3.5 / 4); `--card-check FILE` takes the two costs from a `beam-hpu card-check` report instead.
+
 Run: python benchmarks/decode_model.py [--bandwidth-tbs 2.46] [--efficiency 1.0] [--context 1024]
-     [--drafts 4] [--accepted 2.0]
+     [--drafts 4] [--accepted 2.0] [--dflash2-verify8 1.0] [--dflash2-block 0.1]
+     [--dflash2-accepted 2.5 3.5 4] [--card-check card-check.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +138,63 @@ def step_bytes(s: Shapes, tokens: int, sequences: int, context: int, path: str) 
     return expert_bytes(s, tokens, path) + sum(fixed_bytes(s).values()) + kv_bytes(s, sequences, context)
 
 
+# The DFlash2 plan's assumptions (beam_hpu/runtime/speculative/README.md, "Expected gain").
+PLAN_VERIFY8, PLAN_BLOCK, PLAN_ACCEPTED = 1.0, 0.1, (2.5, 3.5, 4.0)
+CPU_LABEL = "CPU stand-ins: not a card measurement"  # beam_hpu.cardcheck.device's label
+
+
+def dflash2_costs_from_card_check(path: Path) -> dict:
+    """verify(8)/verify(1) and block/verify(1) from a card-check report's verify_rows and dflash2
+    rows, with where each came from (the report's device label says whether a card measured it)."""
+    report = json.loads(Path(path).read_text())
+    by = {v["premise"]: v for v in report["verdicts"]}
+    rows, gain = by["verify_rows"]["figures"], by["dflash2"]["figures"]
+    top = max(rows["ratio_to_1_row"], key=int)
+    return {"verify8": float(rows["ratio_to_1_row"][top]), "block": float(gain["block_over_verify_1"]),
+            "label": report["label"], "stand_in": rows["stand_in"],
+            "block_shard": by["dflash2_block"]["figures"]["shard"], "rows": int(top)}
+
+
+def dflash2_rows(verify8: float, block: float, accepted: tuple[float, ...], one_stream_tok_s: float) -> list[dict]:
+    """Per mean accepted length: the step's cost in 1-row steps, the gain and tokens/s."""
+    cost = verify8 + block
+    return [{"accepted": length, "cost": cost, "gain": length / cost, "tok_s": one_stream_tok_s * length / cost}
+            for length in accepted]
+
+
+def print_dflash2(a, one_stream_tok_s: float) -> None:
+    verify8, block = a.dflash2_verify8, a.dflash2_block
+    where_verify = where_block = "assumed (the speculative README's plan)"
+    if a.card_check:
+        got = dflash2_costs_from_card_check(a.card_check)
+        verify8, block = got["verify8"], got["block"]
+        where_verify = (f"card-check {a.card_check}, verify_rows ratio_to_1_row at {got['rows']} rows "
+                        f"[{got['label']}]; stand-in: {got['stand_in']}")
+        where_block = (f"card-check {a.card_check}, dflash2 block_over_verify_1 (dflash2_block at batch 1 / "
+                       f"verify_rows at 1 row) [{got['label']}]; {got['block_shard']}")
+    print("\nDFlash2 at one stream: MODEL, not a measurement (block 8: the bonus token + 7 drafted)")
+    print("  tok/s = one-stream tok/s x L / (verify(8)/verify(1) + block/verify(1))")
+    print("Inputs")
+    print(f"  one-stream decode {one_stream_tok_s:.1f} tok/s: measured (the recipe's {ONE_STREAM_TOK_S[0]}-"
+          f"{ONE_STREAM_TOK_S[1]}, midpoint)")
+    print(f"  verify(8)/verify(1) = {verify8:.3f}: {where_verify}")
+    print("    confirmed on a card by: beam-hpu card-check's verify_rows row (ratio_to_1_row at 8)")
+    print(f"  block/verify(1) = {block:.3f}: {where_block}")
+    print("    confirmed on a card by: beam-hpu card-check's dflash2_block row over verify_rows at 1 row "
+          "(the dflash2 row's block_over_verify_1)")
+    print(f"  mean accepted length L = {' / '.join(f'{x:g}' for x in a.dflash2_accepted)}: assumed "
+          "(the plan's; no Beam drafter run here)")
+    print("    confirmed on a card by: benchmarks/spec_decode.py --spec dflash2=... on "
+          "serving/launch-dflash2.sh (its accepted len, from the server's own counters)")
+    if a.card_check and got["label"] == CPU_LABEL:
+        print(f"  NOTE: the card-check report is {CPU_LABEL}: its costs only show the chain works")
+    print("     L   step cost (1-row steps)   gain   tok/s")
+    for r in dflash2_rows(verify8, block, tuple(a.dflash2_accepted), one_stream_tok_s):
+        print(f"  {r['accepted']:4g}   {verify8:.3f} + {block:.3f} = {r['cost']:.3f}        "
+              f"{r['gain']:5.2f}x {r['tok_s']:7.1f}")
+    print("  the card measurement: single-stream tok/s on serving/launch-dflash2.sh against serving/launch.sh")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bandwidth-tbs", type=float, default=2.46, help="Gaudi 2 HBM2E, published")
@@ -134,6 +202,14 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=1024, help="tokens in each sequence's KV")
     p.add_argument("--drafts", type=int, default=4, help="k, as the recipe's speculative variant")
     p.add_argument("--accepted", type=float, default=2.0, help="mean tokens a verify step emits per sequence")
+    p.add_argument("--dflash2-verify8", type=float, default=PLAN_VERIFY8,
+                   help="DFlash2: a verify step of 8 rows over a 1-row decode step (plan: about 1)")
+    p.add_argument("--dflash2-block", type=float, default=PLAN_BLOCK,
+                   help="DFlash2: the drafter's block forward over a 1-row decode step (plan: about 0.1)")
+    p.add_argument("--dflash2-accepted", type=float, nargs="+", default=list(PLAN_ACCEPTED),
+                   help="DFlash2: mean accepted lengths (tokens a step emits) to tabulate")
+    p.add_argument("--card-check", default=None,
+                   help="a beam-hpu card-check JSON: DFlash2's two costs from its verify_rows and dflash2 rows")
     a = p.parse_args(argv)
     s = Shapes.published()
     bw = a.bandwidth_tbs * 1e12 * a.efficiency  # bytes/s
@@ -220,6 +296,7 @@ def main(argv=None) -> None:
     print(f"  this model predicts {1e3 / t_copy:.1f} tok/s (gather copied) to {1e3 / t_fused:.1f} tok/s "
           f"(gather fused) against {1e3 / one:.1f}; within the stock runs' {lo}-{hi} tok/s refutes the "
           "premises (host-bound step, or the fused op already skips unrouted experts)")
+    print_dflash2(a, 1e3 / one)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -24,6 +25,12 @@ Q_HEADS_PER_CARD, HEAD_DIM, CHUNK = 48 // 8, 128, 4096
 RECIPE_Q_TILE, RECIPE_WS_GIB = 256, 2.0
 
 
+LAYERS, KV_HEADS_PER_CARD, VOCAB = 52, 1, 151936
+# Rows of one sequence's verify step: the bonus token and up to 7 drafted ones (DFlash2's serving
+# block of 8).
+VERIFY_ROWS = tuple(range(1, 9))
+
+
 @dataclass
 class Shapes:
     hidden: int
@@ -33,10 +40,54 @@ class Shapes:
     contexts: tuple[int, ...]
     vocab: int
     repeats: int
+    layers: int  # layers of the target's stand-in step (verify_rows)
+    decode_context: int  # tokens of KV one sequence's verify rows attend to
 
 
-FULL = Shapes(HIDDEN, MOE_INTERMEDIATE, CHUNK, HEAD_DIM, (4096, 16384, 65536), 151936, 10)
-QUICK = Shapes(128, 64, 256, 32, (256, 1024, 4096), 512, 3)
+@dataclass(frozen=True)
+class DrafterShapes:
+    """DFlash2's drafter as its card publishes it (beam_hpu/model/dflash2.py), whole (not per card).
+    Not on the card: the selector's rank (256 and conv groups of 16 are what its 1.93B count
+    implies: tests/model/test_dflash2.py) and top-k (8, the tiny drafter's)."""
+
+    layers: int = 5
+    hidden: int = 5120
+    q_heads: int = 40
+    kv_heads: int = 8
+    head_dim: int = 128
+    intermediate: int = 17408
+    window: int = 4096
+    target_layer_ids: tuple[int, ...] = (4, 16, 28, 40, 46)
+    taps: int = 2
+    conv_group: int = 16
+    rank: int = 256
+    top_k: int = 8
+    vocab: int = VOCAB
+    block: int = 8
+    batches: tuple[int, ...] = (1, 4, 16)
+
+    def per_card_config(self, tp: int = 8):
+        """The drafter config of one card's shard at TP `tp`, for a one-rank build: heads, SwiGLU
+        and the LM head's vocabulary divided by tp, replicated layers (fc, convs, selector) whole;
+        the selector's codebooks take the shard's vocabulary (its candidates are the shard's)."""
+        return SimpleNamespace(
+            architectures=["DFlash2BeamDraftModel"], num_hidden_layers=self.layers, hidden_size=self.hidden,
+            intermediate_size=self.intermediate // tp, num_attention_heads=self.q_heads // tp,
+            num_key_value_heads=max(1, self.kv_heads // tp), head_dim=self.head_dim, rms_norm_eps=1e-6,
+            vocab_size=self.vocab // tp, max_position_embeddings=2 * self.window + 2 * self.block,
+            sliding_window=self.window, layer_types=["sliding_attention"] * self.layers, is_causal=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            dflash_config={"target_layer_ids": list(self.target_layer_ids), "conv_kernel_size": self.taps,
+                           "conv_group_size": self.conv_group, "selector_rank": self.rank,
+                           "selector_top_k": self.top_k, "final_logit_softcapping": 30.0,
+                           "mask_token_id": self.vocab // tp - 1})
+
+
+FULL = Shapes(HIDDEN, MOE_INTERMEDIATE, CHUNK, HEAD_DIM, (4096, 16384, 65536), VOCAB, 10, LAYERS, 1024)
+QUICK = Shapes(128, 64, 256, 32, (256, 1024, 4096), 512, 3, 2, 256)
+FULL_DRAFTER = DrafterShapes()
+QUICK_DRAFTER = DrafterShapes(layers=2, hidden=128, q_heads=16, kv_heads=8, head_dim=32, intermediate=512,
+                              window=256, taps=2, conv_group=16, rank=16, top_k=8, vocab=512 * 8, batches=(1, 4))
 
 
 def _fp8(shape, generator, device):
@@ -211,6 +262,180 @@ def verify(device: Device, shapes: Shapes, batch: int = 4, max_drafts: int = 7, 
         ms[sum(counts)] = device.median_ms(step(counts), 1, warmup=0)
     after = device.graph_compilations()
     return verdicts.verify_step(None if before is None or after is None else after - before, ms)
+
+
+def _attention_kernel(device: Device, scale: float):
+    if device.on_card:
+        from habana_frameworks.torch.hpex.kernels import FusedSDPA
+
+        return lambda q, k, v, b: FusedSDPA.apply(q, k, v, b, 0.0, False, scale)
+    from beam_hpu.runtime.prefill.hpu_fsdpa_tiles import sdpa_kernel
+
+    return sdpa_kernel(scale)
+
+
+def verify_rows(device: Device, shapes: Shapes, rows=VERIFY_ROWS) -> verdicts.Verdict:
+    """What stands for the target's step at T = 1..8 rows of one sequence (card-check has no target
+    model): `shapes.layers` times one Beam layer at its per-card shapes under TP 8 / EP 8, its
+    weights reused by every layer: FP8 q/gate/k/v and o projections, attention of the T rows over
+    `decode_context` cached keys (FusedSDPA; CPU: torch SDPA), the fp32 router's top-8 of 256 and
+    the fused MoE op over the card's 32 experts (CPU: the dense FP8 pass). Not in it: norms, RoPE,
+    the two all-reduces a layer, the LM head, sampling, the runner's input builds."""
+    from beam_hpu.runtime.fp8.hpu_moe_gather import cpu_fp8_gemm, dense_fp8_moe, hpu_fp8_gemm, local_ids_from_offset
+
+    g = torch.Generator().manual_seed(4)
+    H, I, E, D = shapes.hidden, shapes.intermediate, LOCAL_EXPERTS, shapes.head_dim
+    qh, kvh, ctx = Q_HEADS_PER_CARD, KV_HEADS_PER_CARD, shapes.decode_context
+    gemm = hpu_fp8_gemm if device.on_card else cpu_fp8_gemm
+
+    def scales(n):
+        return (torch.rand(n, 1, generator=g) / 50 + 1e-3).to(device.name)
+
+    w_in, w_in_s = _fp8(((2 * qh + 2 * kvh) * D, H), g, device.name), scales((2 * qh + 2 * kvh) * D)
+    w_o, w_o_s = _fp8((H, qh * D), g, device.name), scales(H)
+    router = (torch.randn(EXPERTS, H, generator=g) / H**0.5).to(device.name)
+    w13, w2 = _fp8((E, 2 * I, H), g, device.name), _fp8((E, H, I), g, device.name)
+    w13s = (torch.rand(E, 2 * I, 1, generator=g) / 50 + 1e-3).to(device.name)
+    w2s = (torch.rand(E, H, 1, generator=g) / 50 + 1e-3).to(device.name)
+    cache_k = torch.randn(1, kvh, ctx, D, generator=g).to(torch.bfloat16).to(device.name)
+    cache_v = torch.randn(1, kvh, ctx, D, generator=g).to(torch.bfloat16).to(device.name)
+    kernel = _attention_kernel(device, 1 / math.sqrt(D))
+
+    def quantise(t):
+        return per_token_fp8(t, GAUDI2_FP8_MAX, exact=False)
+
+    def layer(x, bias):
+        T = x.shape[0]
+        proj = gemm(*quantise(x), w_in, w_in_s).to(torch.bfloat16)  # [T, (2 qh + 2 kvh) D]
+        q, gate, k, v = proj.split([qh * D, qh * D, kvh * D, kvh * D], dim=-1)
+        keys = torch.cat([cache_k, k.view(T, kvh, D).transpose(0, 1)[None]], dim=2)
+        values = torch.cat([cache_v, v.view(T, kvh, D).transpose(0, 1)[None]], dim=2)
+        if device.on_card:  # FusedSDPA takes as many KV heads as query heads
+            keys, values = (t.repeat_interleave(qh // kvh, dim=1) for t in (keys, values))
+        out = kernel(q.view(T, qh, D).transpose(0, 1)[None], keys, values, bias)  # [1, qh, T, D]
+        out = out[0].transpose(0, 1).reshape(T, qh * D) * torch.sigmoid(gate)
+        x = x + gemm(*quantise(out), w_o, w_o_s).to(torch.bfloat16)
+        weights, ids = (x.float() @ router.t()).topk(TOP_K, dim=-1)
+        local = local_ids_from_offset(ids, 0, E)
+        weights = weights.softmax(-1).to(torch.bfloat16)
+        if device.on_card:
+            x_fp8, x_scale = quantise(x)
+            moe = torch.ops.hpu.mixture_of_experts.fp8_fused_weights_dynamic(
+                hidden_states=x_fp8, expert_routing_table=ids, router_weights=weights,
+                w12=list(w13.unbind(0)), w3=list(w2.unbind(0)), d_scale_hidden_states=x_scale,
+                d_scale_w12=list(w13s.unbind(0)), d_scale_w3=list(w2s.unbind(0)), permuted_weights=True,
+                activation="silu", experts_min=0, experts_max=E - 1)
+        else:
+            moe = dense_fp8_moe(x, w13, w13s, w2, w2s, weights, local, quantise, gemm)
+        return x + moe
+
+    ms = {}
+    with torch.inference_mode():
+        for T in rows:
+            x0 = (torch.randn(T, H, generator=g)).to(torch.bfloat16).to(device.name)
+            seen = torch.ones(T, ctx + T, dtype=torch.bool).tril(ctx)
+            bias = torch.zeros(1, 1, T, ctx + T).masked_fill(~seen, float("-inf")).to(torch.bfloat16).to(device.name)
+
+            def step(x0=x0, bias=bias):
+                x = x0
+                for _ in range(shapes.layers):
+                    x = layer(x, bias)
+                return x
+
+            ms[T] = device.median_ms(step, shapes.repeats)
+    stand_in = (f"{shapes.layers} x one Beam layer's attention + MoE at TP 8 / EP 8 (weights reused), "
+                f"{ctx} tokens of context; no norms, RoPE, all-reduces, LM head or sampling")
+    return verdicts.verify_rows(ms, stand_in)
+
+
+_ONE_RANK = []
+
+
+def _one_rank(device: Device) -> None:
+    """vLLM's parallel state for this one process (the drafter's linears ask for the TP size):
+    one card's shard is built as TP 1 at that shard's shapes."""
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if _ONE_RANK or model_parallel_is_initialized():
+        return
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="hccl" if device.on_card else "gloo",
+                                     distributed_init_method=f"file://{Path(d) / 'rendezvous'}")
+        initialize_model_parallel(1, 1)
+    _ONE_RANK.append(True)
+
+
+def dflash2_block(device: Device, shapes: Shapes, drafter: DrafterShapes, tp: int = 8) -> verdicts.Verdict:
+    """DFlash2's step on one card: beam_hpu.model.dflash2's DFlash2BeamForCausalLM built as one
+    card's TP-8 shard (random bf16 weights), per request a full window of context keys/values;
+    timed: the context update of 8 accepted rows (fc of the 5 target states, the 5 layers' K/V,
+    written into the window's ring), the block forward at `drafter.block` rows, the LM head over
+    the card's vocabulary shard, top-k and the selector's greedy walk. Not in it: the TP all-reduces
+    and the all-gather of the candidates, the runner's input builds."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    from beam_hpu.model.dflash2 import DFlash2BeamForCausalLM, DFlash2Context
+
+    g = torch.Generator().manual_seed(5)
+    config = drafter.per_card_config(tp)
+    B, C, L = drafter.block, drafter.window, drafter.layers
+    Nkv, D, H = config.num_key_value_heads, drafter.head_dim, drafter.hidden
+    with set_current_vllm_config(VllmConfig()):
+        _one_rank(device)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device.name):
+                model = DFlash2BeamForCausalLM(
+                    vllm_config=SimpleNamespace(model_config=SimpleNamespace(hf_config=config)))
+        finally:
+            torch.set_default_dtype(previous)
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() == 1:
+                    param.fill_(1.0)
+                else:
+                    param.copy_((torch.randn(param.shape, generator=g) / param.shape[-1] ** 0.5).to(param.dtype))
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, QuantizeMethodBase):
+                method.process_weights_after_loading(module)
+        n_states = len(drafter.target_layer_ids)
+        ms = {}
+        with torch.inference_mode():
+            for R in drafter.batches:
+                def put(t):
+                    return t.to(device.name)
+
+                ctx = DFlash2Context(
+                    keys=put(torch.randn(L, R, C, Nkv, D, generator=g).to(torch.bfloat16)),
+                    values=put(torch.randn(L, R, C, Nkv, D, generator=g).to(torch.bfloat16)),
+                    positions=put(torch.arange(C).repeat(R, 1)), valid=put(torch.ones(R, C, dtype=torch.bool)))
+                aux = put((torch.randn(R * B, n_states * H, generator=g)).to(torch.bfloat16))
+                new_pos = put(torch.arange(C - B, C).repeat(R))  # the 8 rows last accepted: a full window
+                slots = put(torch.arange(C - B, C))
+                embeds = put(torch.randn(R, B, H, generator=g).to(torch.bfloat16))
+                positions = put(torch.arange(C, C + B).repeat(R, 1))
+                anchors = put(torch.zeros(R, dtype=torch.long))
+
+                def step(ctx=ctx, aux=aux, new_pos=new_pos, slots=slots, embeds=embeds, positions=positions,
+                         anchors=anchors, R=R):
+                    k, v = model.context_kv(model.combine_hidden_states(aux), new_pos)  # [L, R * B, Nkv, D]
+                    ctx.keys.index_copy_(2, slots, k.view(L, R, B, Nkv, D))
+                    ctx.values.index_copy_(2, slots, v.view(L, R, B, Nkv, D))
+                    hidden = model(None, positions, ctx, inputs_embeds=embeds)
+                    return model.draft_greedy(hidden, anchors)[0]
+
+                ms[R] = device.median_ms(step, shapes.repeats)
+    shard = (f"one card's TP {tp} shard: {config.num_attention_heads} q / {Nkv} KV heads of {D}, SwiGLU "
+             f"{config.intermediate_size}, vocabulary shard {config.vocab_size}; {L} layers, hidden {H}, "
+             f"block {B}, {C} context slots a request")
+    return verdicts.dflash2_block(ms, shard)
 
 
 def window_kv(device: Device, shapes: Shapes, batches=(1, 8, 32)) -> verdicts.Verdict:

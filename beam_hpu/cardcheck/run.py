@@ -7,7 +7,7 @@ import json
 import platform
 from pathlib import Path
 
-from beam_hpu.cardcheck import premises
+from beam_hpu.cardcheck import premises, verdicts
 from beam_hpu.cardcheck.device import detect
 from beam_hpu.runtime.prefill.hpu_fsdpa_tiles import fsdpa_tile_switches
 
@@ -23,6 +23,7 @@ def add_arguments(parser) -> None:
 def run(quick: bool, force_cpu: bool, out: Path, echo=print) -> dict:
     device = detect(force_cpu)
     shapes = premises.QUICK if quick else premises.FULL
+    drafter = premises.QUICK_DRAFTER if quick else premises.FULL_DRAFTER
     q_tile, ws_gib = fsdpa_tile_switches()
     if not q_tile or not ws_gib:
         q_tile, ws_gib = premises.RECIPE_Q_TILE, premises.RECIPE_WS_GIB
@@ -33,12 +34,18 @@ def run(quick: bool, force_cpu: bool, out: Path, echo=print) -> dict:
              ("storage", lambda: premises.storage(device, shapes)),
              ("fsdpa", lambda: premises.fsdpa(device, shapes, q_tile, ws_gib)),
              ("verify", lambda: premises.verify(device, shapes)),
-             ("window_kv", lambda: premises.window_kv(device, shapes))]
+             ("window_kv", lambda: premises.window_kv(device, shapes)),
+             ("verify_rows", lambda: premises.verify_rows(device, shapes)),
+             ("dflash2_block", lambda: premises.dflash2_block(device, shapes, drafter)),
+             # from the two rows before it: nothing measured of its own
+             ("dflash2", lambda: verdicts.dflash2_gain(by["verify_rows"].figures["ms_by_rows"],
+                                                        by["dflash2_block"].figures["ms_by_batch"]))]
     report = {"device": device.name, "label": device.label, "host": platform.node(), "quick": quick,
               "fsdpa_switches": {"BEAM_FSDPA_Q_TILE": q_tile, "BEAM_FSDPA_WS_GIB": ws_gib}, "verdicts": []}
+    by = {}
     for name, measure in steps:
         echo(f"  measuring {name} ...")
-        verdict = measure()
+        verdict = by[name] = measure()
         report["verdicts"].append(verdict.as_dict())
         echo(f"{verdict.switch}: {verdict.verdict} ({verdict.why}) [{device.label}]")
     out.write_text(json.dumps(report, indent=2, default=str) + "\n")

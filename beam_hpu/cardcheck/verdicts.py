@@ -21,6 +21,18 @@ DECODE_STEP_MS = 1000 / 29.5
 STEP_BUILD_SHARE = 0.05
 # A verify step is static when warm-up covered every draft count: no compile after it.
 MAX_COMPILES_AFTER_WARMUP = 0
+# DFlash2 (beam_hpu/runtime/speculative/README.md, "Expected gain"): the plan assumes a verify step
+# of 8 rows costs about one decode step and the drafter's block about a tenth of one; a figure
+# within SPEED_MARGIN of those is "as assumed".
+ASSUMED_VERIFY_8_RATIO = 1.0
+ASSUMED_BLOCK_SHARE = 0.1
+# The mean accepted length the verdict is stated at: the plan's lowest (2.5 of 2.5 / 3.5 / 4), so
+# "pays" does not rest on a drafter better than the least it expects; the others are figures.
+DFLASH2_ACCEPTED = 2.5
+DFLASH2_ACCEPTED_TABLE = (2.5, 3.5, 4.0)
+# Speculation is worth its variant when it beats plain decode by more than the run-to-run spread.
+MIN_SPECULATIVE_GAIN = 1 + SPEED_MARGIN
+DFLASH2_SWITCH = "--speculative-config dflash (serving/launch-dflash2.sh)"
 
 
 @dataclass
@@ -110,6 +122,51 @@ def verify_step(compiles_after_warmup: int | None, ms_by_draft_count: dict[int, 
                        f"{compiles_after_warmup} graph compilations after warm-up over random draft counts", figures)
     return Verdict("verify", "--speculative-config (sampled)", "static",
                    "no graph compilation after warm-up over random draft counts", figures)
+
+
+def verify_rows(ms_by_rows: dict[int, float], stand_in: str) -> Verdict:
+    """One sequence's verify step at T = 1..8 rows (what stands for it: `stand_in`): ms and the
+    ratio of T rows to 1; "flat" when 8 rows cost at most SPEED_MARGIN over the plan's assumption."""
+    ratio = {t: ms / ms_by_rows[1] for t, ms in ms_by_rows.items()}
+    figures = {"ms_by_rows": ms_by_rows, "ratio_to_1_row": ratio, "stand_in": stand_in}
+    top = max(ms_by_rows)
+    flat = ratio[top] <= (1 + SPEED_MARGIN) * ASSUMED_VERIFY_8_RATIO
+    return Verdict("verify_rows", DFLASH2_SWITCH, "flat" if flat else "grows",
+                   f"{top} rows cost {ratio[top]:.2f}x 1 row ({'within' if flat else 'over'} "
+                   f"{SPEED_MARGIN:.0%} of the plan's {ASSUMED_VERIFY_8_RATIO:.1f}x)", figures)
+
+
+def dflash2_block(ms_by_batch: dict[int, float], shard: str) -> Verdict:
+    """The drafter's step (context update + block forward + selector) per batch, on one card's
+    shard (`shard`). Its share of a verify step is dflash2_gain's, which has both figures."""
+    figures = {"ms_by_batch": ms_by_batch, "shard": shard}
+    return Verdict("dflash2_block", DFLASH2_SWITCH, "measured",
+                   f"batch 1: {ms_by_batch[1]:.3f} ms a block; its share of a verify step is the dflash2 row's",
+                   figures)
+
+
+def dflash2_gain_model(verify_8_ratio: float, block_share: float, accepted: float) -> float:
+    """Single-stream tokens per unit time against plain decode: a step emits `accepted` tokens on
+    average and costs a verify step of 8 rows plus the drafter's block, in units of a 1-row step."""
+    return accepted / (verify_8_ratio + block_share)
+
+
+def dflash2_gain(verify_ms_by_rows: dict[int, float], block_ms_by_batch: dict[int, float],
+                 accepted: float = DFLASH2_ACCEPTED) -> Verdict:
+    """--speculative-config dflash at one stream: on when the modelled gain at `accepted` clears
+    MIN_SPECULATIVE_GAIN; the gain at each length of DFLASH2_ACCEPTED_TABLE is reported beside it."""
+    one, eight = verify_ms_by_rows[1], verify_ms_by_rows[max(verify_ms_by_rows)]
+    ratio, share = eight / one, block_ms_by_batch[1] / one
+    gains = {length: dflash2_gain_model(ratio, share, length) for length in DFLASH2_ACCEPTED_TABLE}
+    gain = dflash2_gain_model(ratio, share, accepted)
+    figures = {"verify_8_over_1": ratio, "block_over_verify_1": share, "accepted": accepted, "gain": gain,
+               "gain_by_accepted": gains, "assumed": {"verify_8_over_1": ASSUMED_VERIFY_8_RATIO,
+                                                      "block_over_verify_1": ASSUMED_BLOCK_SHARE}}
+    arithmetic = f"{accepted} / ({ratio:.2f} + {share:.2f}) = {gain:.2f}x"
+    if gain >= MIN_SPECULATIVE_GAIN:
+        return Verdict("dflash2", DFLASH2_SWITCH, "pays", f"single stream at L = {accepted}: {arithmetic}", figures)
+    return Verdict("dflash2", DFLASH2_SWITCH, "off: no gain",
+                   f"single stream at L = {accepted}: {arithmetic}, under {MIN_SPECULATIVE_GAIN:.2f}x", figures)
 
 
 def window_kv_build(build_ms: dict[int, float]) -> Verdict:

@@ -4,6 +4,7 @@ the two measured figures it is calibrated on, and it prints the per-batch table.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -41,3 +42,47 @@ def test_the_table_reproduces_the_calibration_and_prints_every_batch(capsys):
     stock = {key: float(r[3].split()[0]) for key, r in zip(keys, rows)}
     assert stock[(1, 0)] == 29.0 and stock[(16, 0)] == 410.0  # the measured figures it is fitted to
     assert "MODEL, not a measurement" in out and "The card measurement" in out
+
+
+def _dflash2_table(out: str) -> dict[float, tuple[float, float]]:
+    """L -> (gain, tok/s) from the DFlash2 table's rows."""
+    start = out.index("DFlash2 at one stream")
+    rows = [line.split() for line in out[start:].splitlines() if "=" in line and line.split()[0][:1].isdigit()]
+    return {float(r[0]): (float(r[6].rstrip("x")), float(r[7])) for r in rows}
+
+
+def test_the_dflash2_figure_prints_its_inputs_and_the_plans_arithmetic(capsys):
+    dm.main([])
+    out = capsys.readouterr().out
+    assert "DFlash2 at one stream: MODEL, not a measurement" in out
+    for text in ("verify(8)/verify(1) = 1.000: assumed", "block/verify(1) = 0.100: assumed",
+                 "mean accepted length L = 2.5 / 3.5 / 4: assumed", "card-check's verify_rows row",
+                 "card-check's dflash2_block row", "benchmarks/spec_decode.py --spec dflash2"):
+        assert text in out, text
+    table = _dflash2_table(out)
+    assert set(table) == {2.5, 3.5, 4.0}
+    for length, (gain, tok_s) in table.items():  # L / 1.1, times the recipe's 29 tok/s midpoint
+        assert gain == round(length / 1.1, 2) and tok_s == round(29.0 * length / 1.1, 1)
+
+
+def test_the_dflash2_figure_takes_given_inputs():
+    rows = dm.dflash2_rows(1.5, 0.5, (3.0,), 30.0)
+    assert rows == [{"accepted": 3.0, "cost": 2.0, "gain": 1.5, "tok_s": 45.0}]
+
+
+def test_the_dflash2_figure_reads_a_card_check_report(tmp_path, capsys):
+    """The two costs come from the report's verify_rows and dflash2 rows, labelled with its device."""
+    report = {"label": "Gaudi card measurement", "verdicts": [
+        {"premise": "verify_rows", "figures": {"ms_by_rows": {"1": 30.0, "8": 36.0},
+                                               "ratio_to_1_row": {"1": 1.0, "8": 1.2}, "stand_in": "S"}},
+        {"premise": "dflash2_block", "figures": {"ms_by_batch": {"1": 6.0}, "shard": "X"}},
+        {"premise": "dflash2", "figures": {"block_over_verify_1": 0.2}}]}
+    path = tmp_path / "card-check.json"
+    path.write_text(json.dumps(report))
+    got = dm.dflash2_costs_from_card_check(path)
+    assert (got["verify8"], got["block"], got["rows"]) == (1.2, 0.2, 8)
+    dm.main(["--card-check", str(path), "--dflash2-accepted", "2.8"])
+    out = capsys.readouterr().out
+    assert "verify(8)/verify(1) = 1.200: card-check" in out and "[Gaudi card measurement]" in out
+    assert "NOTE" not in out[out.index("DFlash2 at one stream"):]
+    assert _dflash2_table(out) == {2.8: (2.0, 58.0)}

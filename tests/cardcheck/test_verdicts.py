@@ -42,3 +42,24 @@ def test_verify_step_is_static_only_without_compiles():
 def test_window_kv_build_against_a_decode_step():
     assert v.window_kv_build({1: 0.1, 32: 1.0}).verdict == "build cost small"
     assert v.window_kv_build({1: 0.1, 32: 5.0}).verdict == "build cost large"
+
+
+def test_verify_rows_report_the_ratio_to_one_row():
+    flat = v.verify_rows({t: 30.0 + 0.2 * t for t in range(1, 9)}, "stand-in")
+    assert flat.verdict == "flat" and flat.figures["ratio_to_1_row"][1] == 1.0
+    assert abs(flat.figures["ratio_to_1_row"][8] - 31.6 / 30.2) < 1e-12
+    assert v.verify_rows({1: 30.0, 8: 45.0}, "stand-in").verdict == "grows"
+
+
+def test_dflash2_gain_is_the_plans_arithmetic_on_the_figures():
+    # The plan's assumptions: verify(8) = verify(1), block = a tenth of it: 2.5 / 1.1.
+    plan = v.dflash2_gain({1: 34.0, 8: 34.0}, {1: 3.4})
+    assert plan.verdict == "pays" and abs(plan.figures["gain"] - 2.5 / 1.1) < 1e-12
+    assert abs(plan.figures["gain_by_accepted"][4.0] - 4.0 / 1.1) < 1e-12
+    assert v.dflash2_gain_model(1.5, 0.5, 3.0) == 1.5
+    # A verify step that grows with its rows and a block as costly as a step: no gain.
+    off = v.dflash2_gain({1: 34.0, 8: 68.0}, {1: 34.0})
+    assert off.verdict == "off: no gain" and abs(off.figures["gain"] - 2.5 / 3.0) < 1e-12
+    # The verdict turns on the accepted length it is stated at.
+    assert v.dflash2_gain({1: 34.0, 8: 68.0}, {1: 34.0}, accepted=4.0).verdict == "pays"
+    assert v.dflash2_block({1: 2.0, 4: 3.0}, "shard").figures["ms_by_batch"][4] == 3.0

@@ -133,3 +133,51 @@ def test_an_eagle_drafter_layer_widens_every_window_group_to_10_layers():
     full_eagle = kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16, drafter_layers=1)
     bf16 = kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16)
     assert bf16["blocks"] * 52 // 53 - 1 <= full_eagle["blocks"] <= bf16["blocks"] * 52 // 53 + 1
+
+
+def test_the_dflash2_drafters_bytes_a_card():
+    d = kc.DFlash2Drafter()
+    # The context window: 5 x 4096 x 8 x 128 x 2 (K, V) x 2 bytes on the node; one KV head a card.
+    assert kc.dflash2_context_bytes(d) == 5 * 4096 * 8 * 128 * 2 * 2 == 83_886_080
+    assert kc.dflash2_context_bytes(d, 8) == 83_886_080 // 8
+    split = 5 * (5120 * 56 * 128 + 40 * 128 * 5120 + 3 * 5120 * 17408)
+    replicated = (5 * (2 * (2 * 2 * 5120 + 4 * 320 * 5120) + 2 * 128 + 2 * 5120)  # convs, norms a layer
+                  + 5 * 5120 * 5120 + 2 * 5120 + 2 * 151936 * 256 + 256 * 5120)  # fc, norms, selector
+    assert kc.dflash2_params_per_card(d, 8) == {"split by TP (q/k/v/o, SwiGLU)": split // 8,
+                                                "replicated (fc, conv projections, selector, norms)": replicated}
+    # The replicated part is more than the split one: a card holds about half the drafter, not an eighth.
+    assert round(sum(kc.dflash2_params_per_card(d, 8).values()) * 2 / 1e6, 1) == 964.8
+
+
+def test_the_dflash2_count_is_the_models_own():
+    """At TP 1 the count is the project's drafter built at the card's sizes (without the shared
+    embedding): the card's 1.93B."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from beam_hpu.cardcheck.premises import FULL_DRAFTER
+    from beam_hpu.model.dflash2 import DFlash2BeamModel
+    from tests.support.dflash2_served import one_rank
+
+    one_rank()
+    with set_current_vllm_config(VllmConfig()), torch.device("meta"):
+        model = DFlash2BeamModel(FULL_DRAFTER.per_card_config(1))
+    count = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embed_tokens"))
+    assert count == sum(kc.dflash2_params_per_card(kc.DFlash2Drafter(), 1).values())
+    assert round(count / 1e9, 2) == 1.93
+
+
+def test_the_dflash2_memory_lines_cost_the_pool_what_the_worker_split_gives(capsys):
+    f = kc.free_from_graph_reserve(kc.RECIPE_GRAPH_RESERVE_GIB, kc.MemoryFigures(0.0))
+    lines = kc.drafter_memory_lines(free_bytes=f)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in lines if line.startswith("| ")}
+    base = kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16)["tokens"]
+    d = kc.DFlash2Drafter()
+    both = sum(kc.dflash2_params_per_card(d, 8).values()) * 2 + 16 * kc.dflash2_context_bytes(d, 8)
+    after = kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f - both), 128, torch.bfloat16)["tokens"]
+    assert rows["weights + context windows"][3] == f"{after:,}"
+    assert rows["weights + context windows"][4].startswith(f"{base - after:,} tokens")
+    # The worker keeps 0.9 x 0.6 of F for KV: the pool loses that share of the bytes, in whole blocks.
+    assert abs((base - after) / 128 - both * 0.9 * 0.6 / (52 * 2 * 128 * 128 * 2)) <= 1
+    assert kc.main([]) == 0
+    out = capsys.readouterr().out
+    assert "\n".join(lines) in out and "a model" in lines[0] and "83.9 MB on the node" in out

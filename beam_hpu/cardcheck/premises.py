@@ -370,16 +370,19 @@ def _one_rank(device: Device) -> None:
 
 
 def dflash2_block(device: Device, shapes: Shapes, drafter: DrafterShapes, tp: int = 8) -> verdicts.Verdict:
-    """DFlash2's step on one card: beam_hpu.model.dflash2's DFlash2BeamForCausalLM built as one
-    card's TP-8 shard (random bf16 weights), per request a full window of context keys/values;
-    timed: the context update of 8 accepted rows (fc of the 5 target states, the 5 layers' K/V,
-    written into the window's ring), the block forward at `drafter.block` rows, the LM head over
-    the card's vocabulary shard, top-k and the selector's greedy walk. Not in it: the TP all-reduces
-    and the all-gather of the candidates, the runner's input builds."""
+    """DFlash2's step on one card: the port proposer's captured step
+    (beam_hpu.runtime.speculative.hpu_dflash2_proposer.DFlash2Step) over beam_hpu.model.dflash2's
+    DFlash2BeamForCausalLM built as one card's TP-8 shard (random bf16 weights), each request's
+    ring holding a full window; timed: the context update of 8 accepted rows (fc of the 5 target
+    states, the 5 layers' K/V, written into the ring), the block forward at `drafter.block` rows,
+    the LM head over the card's vocabulary shard, top-k and the selector's greedy walk. Not in it:
+    the TP all-reduces and the all-gather of the candidates, the runner's input builds."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    from beam_hpu.model.dflash2 import DFlash2BeamForCausalLM, DFlash2Context
+    from beam_hpu.model.dflash2 import DFlash2BeamForCausalLM
+    from beam_hpu.runtime.speculative.dflash2_ring import ContextRing
+    from beam_hpu.runtime.speculative.hpu_dflash2_proposer import DFlash2Step
 
     g = torch.Generator().manual_seed(5)
     config = drafter.per_card_config(tp)
@@ -412,24 +415,20 @@ def dflash2_block(device: Device, shapes: Shapes, drafter: DrafterShapes, tp: in
                 def put(t):
                     return t.to(device.name)
 
-                ctx = DFlash2Context(
-                    keys=put(torch.randn(L, R, C, Nkv, D, generator=g).to(torch.bfloat16)),
-                    values=put(torch.randn(L, R, C, Nkv, D, generator=g).to(torch.bfloat16)),
-                    positions=put(torch.arange(C).repeat(R, 1)), valid=put(torch.ones(R, C, dtype=torch.bool)))
+                # the step the port's proposer captures per batch bucket, each request's window full
+                ring = ContextRing(L, R, C, Nkv, D, torch.bfloat16, device.name)
+                ring.keys.copy_(put(torch.randn(ring.keys.shape, generator=g).to(torch.bfloat16)))
+                ring.values.copy_(put(torch.randn(ring.values.shape, generator=g).to(torch.bfloat16)))
+                ring.positions[:R] = put(torch.arange(C).repeat(R, 1))
+                drafting = DFlash2Step(model, ring, B, max_model_len=config.max_position_embeddings)
                 aux = put((torch.randn(R * B, n_states * H, generator=g)).to(torch.bfloat16))
-                new_pos = put(torch.arange(C - B, C).repeat(R))  # the 8 rows last accepted: a full window
-                slots = put(torch.arange(C - B, C))
-                embeds = put(torch.randn(R, B, H, generator=g).to(torch.bfloat16))
-                positions = put(torch.arange(C, C + B).repeat(R, 1))
-                anchors = put(torch.zeros(R, dtype=torch.long))
+                positions = put(torch.arange(C, C + B).repeat(R, 1))  # the 8 rows last accepted
+                valid = put(torch.ones(R, B, dtype=torch.bool))
+                slots = put(torch.arange(R))
+                bonus = put(torch.zeros(R, dtype=torch.long))
 
-                def step(ctx=ctx, aux=aux, new_pos=new_pos, slots=slots, embeds=embeds, positions=positions,
-                         anchors=anchors, R=R):
-                    k, v = model.context_kv(model.combine_hidden_states(aux), new_pos)  # [L, R * B, Nkv, D]
-                    ctx.keys.index_copy_(2, slots, k.view(L, R, B, Nkv, D))
-                    ctx.values.index_copy_(2, slots, v.view(L, R, B, Nkv, D))
-                    hidden = model(None, positions, ctx, inputs_embeds=embeds)
-                    return model.draft_greedy(hidden, anchors)[0]
+                def step(aux=aux, positions=positions, valid=valid, slots=slots, bonus=bonus, drafting=drafting):
+                    return drafting(aux, positions, valid, slots, bonus)
 
                 ms[R] = device.median_ms(step, shapes.repeats)
     shard = (f"one card's TP {tp} shard: {config.num_attention_heads} q / {Nkv} KV heads of {D}, SwiGLU "

@@ -5,7 +5,8 @@ One server without speculation, then one with `--speculative-config '{"method": 
 (never two engines at once), both in float32 (a verify step's k + 1 rows and a decode step's one
 round alike only there). At temperature 0 every answer is identical: copy completions by token id,
 chat answers with reasoning, a tool call and a json_schema answer (the beam parsers and the
-response grammar on every chat step), streamed and not. The proposer must have drafted, and its
+response grammar on every chat step), streamed and not; and a completion that ends at the model
+length, where the drafter's blocks reach past its RoPE table. The proposer must have drafted, and its
 mean accepted length is printed.
 
 Sampled requests are exact in distribution: the same two servers draw the first two tokens of
@@ -111,6 +112,10 @@ def refusals(server) -> dict[str, tuple[int, str]]:
     return out
 
 
+MAX_MODEL_LEN = 4096  # the demo server's, and the tiny drafter's RoPE table (max_position_embeddings)
+TO_THE_END = 24  # the last request's tokens: its prompt fills the model length but for these
+
+
 def run_all(server) -> dict:
     client = OpenAI(base_url=server.base_url, api_key="none")
     copies = []
@@ -118,6 +123,12 @@ def run_all(server) -> dict:
         c = client.completions.create(model=server.model, prompt=p, max_tokens=40, temperature=0,
                                       extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
         copies.append(list(c.token_ids))
+    # a completion that ends at the model length: its last blocks reach past the RoPE table
+    (passage,) = copy_prompts(n=1, length=64, restart=0)
+    long = (passage * (MAX_MODEL_LEN // len(passage) + 1))[:MAX_MODEL_LEN - TO_THE_END]
+    end = client.completions.create(model=server.model, prompt=long, max_tokens=TO_THE_END, temperature=0,
+                                    extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    copies.append(list(end.token_ids))
     copy_counters = spec_counters(server)
     chats = [[chat_once(client, server.model, r, stream, max_tokens=64) for stream in (False, True)] for r in chat_requests()]
     all_counters = spec_counters(server)
@@ -140,6 +151,7 @@ def runs(shared_server):
 def test_copy_is_token_identical_and_dflash2_drafted(runs):
     base, spec = runs
     assert spec["copies"] == base["copies"]
+    assert len(spec["copies"][-1]) == TO_THE_END  # the last one ran to the model length
     c = spec["copy_counters"]
     assert "cpu-dflash2-proposer: drafting with Beam's DFlash2 drafter" in spec["log"]
     assert c["drafts"] > 0

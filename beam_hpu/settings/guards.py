@@ -18,6 +18,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from beam_hpu.location import local_checkpoint_dir
@@ -238,7 +239,7 @@ def _dflash_on_hpu(launch: Launch, config: Any) -> list[str]:
     k = _speculative_field(config, "num_speculative_tokens")
     path = launch.env.get("VLLM_BUCKETING_FROM_FILE")
     try:
-        made_for = bucket_file_drafts(open(path).read()) if path else None
+        made_for = bucket_file_drafts(Path(path).read_text()) if path else None
     except (OSError, UnicodeDecodeError):
         made_for = None
     if made_for is not None and k is not None and k != made_for:  # None: vLLM's own default, its check

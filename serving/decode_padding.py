@@ -14,8 +14,9 @@ VLLM_SKIP_WARMUP=true (the recipe's) every shape compiles at its first step, nam
 unnamed one is a graph the count against max_decode_graphs does not include.
 
 Usage (from the repository root): python -m serving.decode_padding [FILE ...] [--speculative-tokens K]
-Without FILE: the recipe's file as launch.sh serves it (no drafts) and the speculative variant's
-file at the variant's k; each FILE is read at K drafts (default 0).
+Without FILE: the recipe's file as launch.sh serves it (no drafts), and the speculative and DFlash2
+variants' files at their k (the DFlash2 one with its drafter block graphs in the count); each FILE
+is read at K drafts (default 0).
 Each cell is rows x / blocks x: the padded step's rows and KV blocks over the step's own. The
 last column is the sliding-window block list's (every row's last window blocks, padded to a
 bucket of the step's rows; with Beam's window of 512 that list is read by 43 of its 52 layers).
@@ -29,7 +30,8 @@ import sys
 from pathlib import Path
 
 from beam_hpu.runtime.sliding_window.hpu_window import window_block_count
-from serving.lint_buckets import parse_bucket_text, speculative_decode_buckets, speculative_tokens, vllm_gaudi_filter
+from serving.lint_buckets import (DRAFT_VARIANTS, drafter_block_batches, drafts_in_block_graphs, parse_bucket_text,
+                                  speculative_decode_buckets, speculative_tokens, vllm_gaudi_filter)
 from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry
 
 # Tokens per sequence of the printed table's columns, and the batches of its rows.
@@ -95,12 +97,16 @@ def padding(step: tuple[int, int] | None, rows: int, blocks: int) -> tuple[float
     return None if step is None else (step[0] / rows, step[1] / blocks)
 
 
-def report(name: str, text: str, g: Geometry, k: int) -> list[str]:
+def report(name: str, text: str, g: Geometry, k: int, drafter_graphs: bool = False) -> list[str]:
     seeds = seed_decode_buckets(text, g)
     prepared = prepared_decode_buckets(seeds, k, g)
     unnamed = unnamed_verify_shapes(seeds, prepared, k, g) if k else set()
     if k:
-        head = (f"{name}: {len(seeds)} decode buckets; with {k} speculative tokens {len(prepared)} prepared graphs "
+        drafter = sorted(drafter_block_batches(seeds, prepared, g)) if drafter_graphs else []
+        graphs = (f"{len(prepared)} prepared graphs" if not drafter else
+                  f"{len(prepared)} prepared graphs and {len(drafter)} drafter block graphs (padded batches "
+                  f"{', '.join(map(str, drafter))}), {len(prepared) + len(drafter)} in all")
+        head = (f"{name}: {len(seeds)} decode buckets; with {k} speculative tokens {graphs} "
                 f"(limit {g.max_decode_graphs}), and verify steps with 2..{k} tokens a sequence can form "
                 f"{len(unnamed)} more shapes no bucket names (each compiled at first use)")
     else:
@@ -154,17 +160,18 @@ def _cell(seeds, prepared, n, blocks_per_seq, t) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Decode padding and unnamed verify shapes of bucket files.")
-    parser.add_argument("files", type=Path, nargs="*", help="default: the recipe's file and the speculative variant's")
+    parser.add_argument("files", type=Path, nargs="*", help="default: the recipe's file and the draft variants'")
     parser.add_argument("--recipe", type=Path, default=SERVING_DIR / "recipe.yaml")
     parser.add_argument("--speculative-tokens", type=int, default=0, help="drafts per step for each FILE (default 0)")
     args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe)
     g = recipe_geometry(recipe)
-    runs = [(path, args.speculative_tokens) for path in args.files] or [
-        (SERVING_DIR / recipe["buckets"]["file"], 0),
-        (SERVING_DIR / recipe["speculative"]["buckets"]["file"], speculative_tokens(recipe))]
-    for path, k in runs:
-        print("\n".join(report(path.name, path.read_text(), g, k)))
+    runs = [(path, args.speculative_tokens, False) for path in args.files] or [
+        (SERVING_DIR / recipe["buckets"]["file"], 0, False)] + [
+        (SERVING_DIR / recipe[variant]["buckets"]["file"], speculative_tokens(recipe, variant),
+         drafts_in_block_graphs(recipe, variant)) for variant in DRAFT_VARIANTS]
+    for path, k, drafter in runs:
+        print("\n".join(report(path.name, path.read_text(), g, k, drafter)))
     return 0
 
 

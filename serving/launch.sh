@@ -43,7 +43,8 @@ export BEAM_GRAMMAR_DEVICE_MASK=1
 export BEAM_MOE_GATHER=0
 # Window-sized KV for the 43 sliding layers (port unit beam-window-kv-cache): off until a card run confirms it.
 export BEAM_WINDOW_KV=0
-# serving/launch-speculative.sh serves with its own bucket file (recipe.yaml speculative.env).
+# serving/launch-speculative.sh and launch-dflash2.sh serve with their own bucket files
+# (recipe.yaml speculative.env, dflash2.env).
 if [ -n "${VARIANT_BUCKETING_FROM_FILE:-}" ]; then VLLM_BUCKETING_FROM_FILE=$VARIANT_BUCKETING_FROM_FILE; fi
 # serving/launch-moe-gather.sh: the opt-in gathered experts (recipe.yaml moe_gather.env).
 if [ -n "${VARIANT_MOE_GATHER:-}" ]; then BEAM_MOE_GATHER=$VARIANT_MOE_GATHER; fi

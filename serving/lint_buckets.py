@@ -18,7 +18,10 @@ batch * ceil(max_model_len / block_size)). Checked:
   speculative variant, k drafted tokens) counted as vllm-gaudi generates them under speculation:
   every seed decode bucket (b, 1, c) also gives (b(k+1), 1, c) when b(k+1) <= c and
   (b(k+1), 1, c(k+1)), both capped at b(k+1) rows' blocks at max_model_len (VLLM_CONTIGUOUS_PA=false,
-  the recipe's), so up to three graphs per seed.
+  the recipe's), so up to three graphs per seed; with `--dflash2` (the DFlash2 variant, method
+  dflash) also one captured drafter block graph per batch a decode step is padded to (the port's
+  proposer captures its block forward once per padded batch: a verify step's batch is the seed
+  bucket's that holds it, a step without drafts the prepared bucket's).
 
 With `--window-kv` (BEAM_WINDOW_KV=1, a window-sized KV cache for the sliding layers) the file
 is also checked for per-group block lists: vllm-gaudi pads each KV-cache group's decode block list
@@ -31,9 +34,10 @@ lands in must be exactly batch x 5 blocks, else 43 of 52 layers gather padding b
 A runtime lookup that misses every bucket compiles a fallback graph mid-serving; a dropped or
 unreachable bucket wastes warmup time and graph memory.
 
-Usage (from the repository root): python -m serving.lint_buckets [FILE] [--recipe recipe.yaml] [--speculative] [--window-kv]
-FILE defaults to the recipe's buckets.file, with --speculative to its speculative.buckets.file,
-with --window-kv to that file's window-KV variant (<file>-window.txt).
+Usage (from the repository root):
+    python -m serving.lint_buckets [FILE] [--recipe recipe.yaml] [--speculative | --dflash2] [--window-kv]
+FILE defaults to the recipe's buckets.file, with --speculative (--dflash2) to its speculative
+(dflash2) section's buckets.file, with --window-kv to that file's window-KV variant (<file>-window.txt).
 Exit status 0 when clean, 1 with one `FILE:LINE: problem` per problem otherwise.
 """
 
@@ -191,6 +195,29 @@ def speculative_decode_buckets(seeds, speculative_tokens: int, g: Geometry) -> s
     return out
 
 
+def first_holding(sorted_buckets, batch: int, blocks: int) -> tuple[int, int, int] | None:
+    """vllm-gaudi's decode lookup: the first bucket, in sorted order, with at least `batch` and `blocks`."""
+    return next((b for b in sorted_buckets if b[0] >= batch and b[2] >= blocks), None)
+
+
+def drafter_block_batches(seeds, prepared, g: Geometry) -> set[int]:
+    """The padded batches a decode step of 1..max_num_seqs sequences runs at, each one captured
+    drafter block graph: a verify step pads its sequences to the first seed bucket holding them
+    (a prepared one when no seed does), a step without drafts to the first prepared bucket."""
+    seeds, prepared = sorted(seeds), sorted(prepared)
+    per_seq = math.ceil(g.max_model_len / g.block_size)
+    # A lookup's answer changes only past a bucket's blocks: trying n and each edge + 1 finds all.
+    probes = sorted({c + 1 for _, _, c in prepared})
+    batches = set()
+    for n in range(1, g.max_num_seqs + 1):
+        for blocks in [n] + [p for p in probes if n < p <= n * per_seq]:
+            for bucket in (first_holding(seeds, n, blocks) or first_holding(prepared, n, blocks),
+                           first_holding(prepared, n, blocks)):
+                if bucket is not None:
+                    batches.add(bucket[0])
+    return batches
+
+
 def window_kv_problems(decodes: dict[tuple[int, int, int], Bucket], g: Geometry,
                        speculative_tokens: int = 0) -> list[str]:
     """Each batch whose sliding-group decode block lists (at most batch x window_block_count
@@ -212,7 +239,10 @@ def window_kv_problems(decodes: dict[tuple[int, int, int], Bucket], g: Geometry,
     return problems
 
 
-def lint_bucket_text(text: str, g: Geometry, speculative_tokens: int = 0, window_kv: bool = False) -> list[str]:
+def lint_bucket_text(text: str, g: Geometry, speculative_tokens: int = 0, window_kv: bool = False,
+                     drafter_graphs: bool = False) -> list[str]:
+    """`FILE-LINE: problem` messages (the line part only for a line's problems); `drafter_graphs`
+    adds the DFlash2 drafter's block graphs to the decode graph count."""
     buckets, problems = parse_bucket_text(text)
     prompts: list[Bucket] = []
     decodes: dict[tuple[int, int, int], Bucket] = {}
@@ -240,13 +270,19 @@ def lint_bucket_text(text: str, g: Geometry, speculative_tokens: int = 0, window
     if len(decodes) > g.max_decode_graphs:
         problems.append(f"decode: {len(decodes)} buckets, each a captured graph; the limit is {g.max_decode_graphs}")
     elif speculative_tokens:
-        graphs = len(speculative_decode_buckets(decodes, speculative_tokens, g))
-        if graphs > g.max_decode_graphs:
+        prepared = speculative_decode_buckets(decodes, speculative_tokens, g)
+        drafter = sorted(drafter_block_batches(decodes, prepared, g)) if drafter_graphs else []
+        if len(prepared) + len(drafter) > g.max_decode_graphs:
+            counted = (f"vllm-gaudi prepares {len(prepared)} decode buckets from these {len(decodes)} (batch x "
+                       f"{speculative_tokens + 1} verify rows), each a captured graph")
+            if drafter:
+                counted += (f", and the DFlash2 drafter captures {len(drafter)} block graphs (padded batches "
+                            f"{', '.join(map(str, drafter))}): {len(prepared) + len(drafter)} graphs")
+            variant = "--dflash2" if drafter_graphs else "--speculative"
             problems.append(
-                f"decode: with {speculative_tokens} speculative tokens vllm-gaudi prepares {graphs} decode buckets from "
-                f"these {len(decodes)} (batch x {speculative_tokens + 1} verify rows), each a captured graph; the limit "
-                f"is {g.max_decode_graphs} (recipe.yaml buckets.max_decode_graphs); the variant's file has fewer decode "
-                "seeds (python -m serving.make_buckets --speculative)")
+                f"decode: with {speculative_tokens} speculative tokens {counted}; the limit is {g.max_decode_graphs} "
+                f"(recipe.yaml buckets.max_decode_graphs); the variant's file has fewer decode seeds "
+                f"(python -m serving.make_buckets {variant})")
     if window_kv and g.sliding_window:
         problems += window_kv_problems(decodes, g, speculative_tokens)
     return sorted(problems, key=_line_of)
@@ -258,37 +294,59 @@ def _line_of(problem: str) -> float:
     return int(head) if head.isdigit() else math.inf
 
 
-def speculative_tokens(recipe: dict) -> int:
-    """num_speculative_tokens of the recipe's speculative variant."""
+# recipe.yaml's sections that serve with drafts, each with its own bucket file.
+DRAFT_VARIANTS = ("speculative", "dflash2")
+
+
+def _speculative_config(recipe: dict, variant: str) -> dict:
     import json
 
     try:
-        config = json.loads(recipe["speculative"]["serve"]["speculative-config"])
-        return int(config["num_speculative_tokens"])
+        return json.loads(recipe[variant]["serve"]["speculative-config"])
     except (KeyError, TypeError, ValueError) as e:
-        raise SystemExit(f"recipe: speculative.serve.speculative-config has no num_speculative_tokens ({e!r})") from e
+        raise SystemExit(f"recipe: {variant}.serve.speculative-config is not readable ({e!r})") from e
+
+
+def speculative_tokens(recipe: dict, variant: str = "speculative") -> int:
+    """num_speculative_tokens of one of the recipe's draft variants."""
+    try:
+        return int(_speculative_config(recipe, variant)["num_speculative_tokens"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"recipe: {variant}.serve.speculative-config has no num_speculative_tokens ({e!r})") from e
+
+
+def drafts_in_block_graphs(recipe: dict, variant: str) -> bool:
+    """Whether the variant's drafter captures block graphs of its own (method dflash: the port's
+    DFlash2 proposer); prompt lookup and EAGLE draft inside the verify step's graphs."""
+    return _speculative_config(recipe, variant).get("method") == "dflash"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Lint a vllm-gaudi bucket file against the launch flags.")
     parser.add_argument("file", type=Path, nargs="?",
-                        help="default: serving/<buckets.file of the recipe>, with --speculative <speculative.buckets.file>")
+                        help="default: serving/<buckets.file of the recipe>, with --speculative or --dflash2 that section's buckets.file")
     parser.add_argument("--recipe", type=Path, default=SERVING_DIR / "recipe.yaml", help="launch flags and limits")
-    parser.add_argument("--speculative", action="store_true",
-                        help="lint for the recipe's speculative variant (its --speculative-config's num_speculative_tokens)")
+    variants = parser.add_mutually_exclusive_group()
+    variants.add_argument("--speculative", dest="variant", action="store_const", const="speculative",
+                          help="lint for the recipe's speculative variant (its --speculative-config's num_speculative_tokens)")
+    variants.add_argument("--dflash2", dest="variant", action="store_const", const="dflash2",
+                          help="lint for the recipe's DFlash2 variant (its num_speculative_tokens and drafter block graphs)")
     parser.add_argument("--window-kv", action="store_true",
                         help="also check the per-group block lists of a window-sized KV cache (BEAM_WINDOW_KV=1)")
     args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe)
-    section = recipe["speculative"] if args.speculative else recipe
+    section = recipe[args.variant] if args.variant else recipe
     name = section["buckets"]["file"]
     if args.window_kv:
         from serving.make_buckets import window_kv_file_name
 
         name = window_kv_file_name(name)
     path = args.file or SERVING_DIR / name
-    k = speculative_tokens(recipe) if args.speculative else 0
-    problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe), k, args.window_kv)
+    k = speculative_tokens(recipe, args.variant) if args.variant else 0
+    drafter = bool(args.variant) and drafts_in_block_graphs(recipe, args.variant)
+    if drafter and args.window_kv and not args.file:
+        parser.error(f"--window-kv has no file for the {args.variant} variant (python -m serving.make_buckets)")
+    problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe), k, args.window_kv, drafter)
     for problem in problems:
         print(f"{path}:{problem}" if problem[:1].isdigit() else f"{path}: {problem}", file=sys.stderr)
     return 1 if problems else 0

@@ -23,6 +23,14 @@ at most 24 graphs for any k. Each batch keeps its 4K tier because the sliding-wi
 rows, 5 to 15 to 16 (vllm-gaudi's spec buckets of batch 1 serve plain decode steps of 5
 sequences); `python -m serving.decode_padding` prints what each file pads.
 
+The DFlash2 variant (serving/launch-dflash2.sh, `--dflash2`) verifies 7 drafts a step (block 8),
+and the port's DFlash2 proposer captures one drafter block graph per padded batch on top of
+vllm-gaudi's graphs: the speculative file's 8 seeds would give 24 + 4 = 28. Its file keeps the
+prompt buckets and seeds decode with batch 1 at 4K, 64K and 256K, batch 4 at 4K and 64K and batch
+16 at 4K and 256K: 21 graphs at k = 7 and 4 drafter graphs (batches 1, 4, 8, 16), 25. Batch 1
+(where drafts pay most) keeps every tier; what the others give up is in the file's header. The
+file is made for its k only, and its header says so (the startup guard reads it).
+
 The window-KV variants (`--window-kv`, for BEAM_WINDOW_KV=1: a window-sized KV cache for the 43
 sliding layers) re-derive the decode block ranges for per-group block lists: vllm-gaudi
 pads each KV-cache group's decode block list to a decode bucket found from that group's own block
@@ -39,6 +47,7 @@ Usage (from the repository root):
     python -m serving.make_buckets            # rewrite serving/<buckets.file from recipe.yaml>
     python -m serving.make_buckets --check    # exit 1 if the committed file differs
     python -m serving.make_buckets --speculative [--check]   # the same for speculative.buckets.file
+    python -m serving.make_buckets --dflash2 [--check]       # the same for dflash2.buckets.file
     python -m serving.make_buckets --window-kv [--speculative] [--check]   # the window-KV variant of either
 """
 
@@ -50,6 +59,9 @@ import sys
 from pathlib import Path
 
 from beam_hpu.runtime.sliding_window.hpu_window import window_block_count
+from beam_hpu.settings.guards import bucket_file_drafts_line
+from serving.lint_buckets import (drafter_block_batches, drafts_in_block_graphs, speculative_decode_buckets,
+                                  speculative_tokens)
 from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry
 
 # vllm-gaudi treats a prompt context as long from this many tokens of --max-model-len on, and then
@@ -61,6 +73,19 @@ DECODE_TIERS_TOKENS = (4096, 16384, 65536, 131072, 262144)
 DECODE_SKIP_128K_FROM_BATCH = 8
 # Decode seeds of the speculative variant: batch -> tokens per sequence of each tier.
 SPECULATIVE_DECODE_TIERS = {1: (4096, 262144), 4: (4096, 65536, 262144), 16: (4096, 65536, 262144)}
+# Decode seeds of the DFlash2 variant (7 drafts, and a drafter block graph per padded batch).
+DFLASH2_DECODE_TIERS = {1: (4096, 65536, 262144), 4: (4096, 65536), 16: (4096, 262144)}
+# recipe.yaml section -> its decode seeds.
+VARIANT_DECODE_TIERS = {"speculative": SPECULATIVE_DECODE_TIERS, "dflash2": DFLASH2_DECODE_TIERS}
+# What the DFlash2 file gives up against the speculative file's seeds, as serving/decode_padding.py
+# prints it for both at k = 7 (verify steps: rows and blocks over the step's own).
+DFLASH2_GIVES_UP = [
+    "Against the speculative file's seeds it drops batch 4's 256K and batch 16's 64K tiers (a seed is 3",
+    "graphs): verify steps of 2 to 4 sequences past 64K run as 16 (128 rows, 4x to 8x their own), verify",
+    "steps of 2 to 16 sequences from 16K on pad up to 8x their blocks (there 4x), plain steps of 9 to 16",
+    "up to 21x (there 5.3x). Batch 1 gains its 64K tier (verify steps at most 4x their blocks, there 8x),",
+    "and the graphs hold 731 rows (there 1054). `python -m serving.decode_padding` prints both files.",
+]
 
 
 def exponential_points(low: int, step: int, high: int, count: int) -> list[int]:
@@ -115,12 +140,12 @@ def recipe_decode_tiers() -> dict[int, tuple[int, ...]]:
             for batch in DECODE_BATCHES}
 
 
-def window_kv_decode_tiers(g: Geometry, speculative: bool = False) -> dict[int, tuple[int, ...]]:
+def window_kv_decode_tiers(g: Geometry, variant: str | None = None) -> dict[int, tuple[int, ...]]:
     """Batch -> tokens per sequence of each decode tier under a window-sized KV cache: the recipe's
-    tiers (the speculative variant's seeds) with every tier (the 128K one too), the 4K tier
-    replaced by the window tier, window_block_count blocks a sequence."""
+    tiers (a variant's seeds) with every tier (the 128K one too), the 4K tier replaced by the window
+    tier, window_block_count blocks a sequence."""
     window_tokens = window_block_count(g.sliding_window, g.block_size) * g.block_size
-    base = SPECULATIVE_DECODE_TIERS if speculative else {b: DECODE_TIERS_TOKENS for b in DECODE_BATCHES}
+    base = VARIANT_DECODE_TIERS[variant] if variant else {b: DECODE_TIERS_TOKENS for b in DECODE_BATCHES}
     return {batch: (window_tokens, ) + tuple(t for t in tiers if t > DECODE_TIERS_TOKENS[0])
             for batch, tiers in base.items()}
 
@@ -156,16 +181,30 @@ def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else f"{n}"
 
 
-def render(g: Geometry, file_name: str, speculative: bool = False, window_kv: bool = False) -> str:
-    command = ("python -m serving.make_buckets" + (" --speculative" if speculative else "")
-               + (" --window-kv" if window_kv else ""))
-    variant = ", ".join(([] if not speculative else ["speculative"]) + ([] if not window_kv else ["window-KV"]))
+VARIANT_TITLES = {"speculative": "speculative", "dflash2": "DFlash2"}
+
+
+def command_line(variant: str | None, window_kv: bool) -> str:
+    return "python -m serving.make_buckets" + (f" --{variant}" if variant else "") + (" --window-kv" if window_kv else "")
+
+
+def render(g: Geometry, file_name: str, variant: str | None = None, window_kv: bool = False,
+           drafter_k: int = 0) -> str:
+    """The bucket file's text; `variant` a recipe.yaml section with drafts (its decode seeds),
+    `drafter_k` the drafts a variant with drafter block graphs is made for (recorded in the header
+    and counted)."""
+    title = ", ".join(([VARIANT_TITLES[variant]] if variant else []) + (["window-KV"] if window_kv else []))
     lines = [
         f"# {file_name}: vllm-gaudi bucket file (VLLM_BUCKETING_FROM_FILE) for Beam-1.0 on 8x Gaudi 2"
-        + (f", {variant} variant." if variant else "."),
-        f"# Generated by `{command}` from serving/recipe.yaml; do not edit by hand.",
+        + (f", {title} variant." if title else "."),
+        f"# Generated by `{command_line(variant, window_kv)}` from serving/recipe.yaml; do not edit by hand.",
         f"# --block-size {g.block_size} --max-model-len {g.max_model_len} --max-num-seqs {g.max_num_seqs}"
         f" --max-num-batched-tokens {g.max_num_batched_tokens}",
+    ]
+    if drafter_k:
+        lines.append(bucket_file_drafts_line(drafter_k)
+                     + " (its graph count holds at that k; the startup guard refuses method dflash at another)")
+    lines += [
         "# Each line is (batch, query tokens, blocks); lists expand to their Cartesian product.",
         "",
         "# Prompt: (batch, query tokens, context blocks); vllm-gaudi's exponential buckets",
@@ -181,11 +220,20 @@ def render(g: Geometry, file_name: str, speculative: bool = False, window_kv: bo
         lines += ["# Window KV (BEAM_WINDOW_KV=1): each KV-cache group's block list is bucketed on its own; the",
                   f"# sliding groups' ({window_block_count(g.sliding_window, g.block_size)} blocks a row at most)"
                   " fill each batch's smallest bucket, its window tier"]
-    if speculative:
+    if variant:
         lines += ["# Seeds: with k drafts vllm-gaudi adds (batch x (k+1), 1, blocks) when batch x (k+1) <= blocks and",
                   "# (batch x (k+1), 1, blocks x (k+1)), both capped at every row at --max-model-len"]
-    tiers = window_kv_decode_tiers(g, speculative) if window_kv else (SPECULATIVE_DECODE_TIERS if speculative else None)
-    for (batch, _), blocks in _grouped(decode_buckets(g, tiers), 2).items():
+    tiers = window_kv_decode_tiers(g, variant) if window_kv else (VARIANT_DECODE_TIERS[variant] if variant else None)
+    seeds = decode_buckets(g, tiers)
+    if drafter_k:
+        prepared = speculative_decode_buckets(seeds, drafter_k, g)
+        drafter = sorted(drafter_block_batches(seeds, prepared, g))
+        lines += [f"# At k = {drafter_k}: {len(prepared)} decode graphs and {len(drafter)} drafter block graphs (one per"
+                  f" padded batch: {', '.join(map(str, drafter))}),",
+                  f"# {len(prepared) + len(drafter)} captured graphs; the limit is {g.max_decode_graphs}"
+                  " (`python -m serving.lint_buckets --dflash2`)."]
+        lines += [f"# {line}" for line in DFLASH2_GIVES_UP]
+    for (batch, _), blocks in _grouped(seeds, 2).items():
         tokens = ", ".join(_tokens(b * g.block_size // batch) for b in blocks)
         lines.append(f"({batch}, 1, {blocks})  # per sequence: {tokens}")
     return "\n".join(lines) + "\n"
@@ -196,22 +244,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", type=Path, default=SERVING_DIR / "recipe.yaml")
     parser.add_argument("--out", type=Path, help="default: serving/<buckets.file of the recipe>")
     parser.add_argument("--check", action="store_true", help="compare with the file instead of writing it")
-    parser.add_argument("--speculative", action="store_true",
-                        help="the speculative variant's file (default out: serving/<speculative.buckets.file>)")
+    variants = parser.add_mutually_exclusive_group()
+    variants.add_argument("--speculative", dest="variant", action="store_const", const="speculative",
+                          help="the speculative variant's file (default out: serving/<speculative.buckets.file>)")
+    variants.add_argument("--dflash2", dest="variant", action="store_const", const="dflash2",
+                          help="the DFlash2 variant's file (default out: serving/<dflash2.buckets.file>)")
     parser.add_argument("--window-kv", action="store_true",
                         help="the window-KV variant (BEAM_WINDOW_KV=1) of the file (default out: <file>-window.txt)")
     args = parser.parse_args(argv)
 
     recipe = load_recipe(args.recipe)
-    section = recipe["speculative"] if args.speculative else recipe
+    drafter_k = 0
+    if args.variant and drafts_in_block_graphs(recipe, args.variant):
+        if args.window_kv:
+            # Its window tier would change the drafter's padded batches and the count: not derived yet.
+            parser.error(f"--window-kv has no file for the {args.variant} variant")
+        drafter_k = speculative_tokens(recipe, args.variant)
+    section = recipe[args.variant] if args.variant else recipe
     name = section["buckets"]["file"]
     out = args.out or SERVING_DIR / (window_kv_file_name(name) if args.window_kv else name)
-    text = render(recipe_geometry(recipe), out.name, args.speculative, args.window_kv)
+    text = render(recipe_geometry(recipe), out.name, args.variant, args.window_kv, drafter_k)
     if args.check:
         if not out.exists() or out.read_text() != text:
-            command = ("python -m serving.make_buckets" + (" --speculative" if args.speculative else "")
-                       + (" --window-kv" if args.window_kv else ""))
-            print(f"{out} differs from what `{command}` generates", file=sys.stderr)
+            print(f"{out} differs from what `{command_line(args.variant, args.window_kv)}` generates", file=sys.stderr)
             return 1
         return 0
     out.write_text(text)

@@ -12,8 +12,9 @@
  5. BeamConfig               the published config's fields parse and validate
  6. template and parsers     the chat template renders a tool turn and the parsers read it back
  7. switches                 the environment's switches parse; the recipe's launch passes the guards
- 8. bucket file              $COOKBOOK/ports/beam-1-0/serving/<file> of the recipe and of its speculative
-                             variant exist and lint (the variant at its drafts, within the graph limit)
+ 8. bucket file              $COOKBOOK/ports/beam-1-0/serving/<file> of the recipe and of its draft
+                             variants exist and lint (each variant at its drafts, the DFlash2 one with its
+                             drafter block graphs, within the graph limit)
 
 Gates 1-2 need a vllm-gaudi tree (installed, or --root vllm_gaudi=DIR): without one they SKIP
 with the reason (the CPU proving ground). Exit 0 when no gate failed, 1 otherwise.
@@ -233,26 +234,29 @@ def gate_switches() -> str:
 
 
 def gate_buckets(cookbook: Path) -> str:
-    """The recipe's bucket file and the speculative variant's, each linted for its own launch
-    (the variant's at its num_speculative_tokens, against the same graph limit)."""
-    from serving.lint_buckets import lint_bucket_text, speculative_tokens
+    """The recipe's bucket file and the draft variants', each linted for its own launch (a variant's
+    at its num_speculative_tokens, with its drafter's block graphs if it has any, against the same
+    graph limit)."""
+    from serving.lint_buckets import DRAFT_VARIANTS, drafts_in_block_graphs, lint_bucket_text, speculative_tokens
     from serving.recipe import load_recipe, recipe_geometry
 
     recipe = load_recipe()
     linted = []
-    for where, section, k in (("recipe", recipe, 0), ("speculative variant", recipe["speculative"],
-                                                       speculative_tokens(recipe))):
+    launches = [("recipe", recipe, 0, False)] + [
+        (f"{variant} variant", recipe[variant], speculative_tokens(recipe, variant),
+         drafts_in_block_graphs(recipe, variant)) for variant in DRAFT_VARIANTS]
+    for where, section, k, drafter in launches:
         path = cookbook / PORT_SERVING / section["buckets"]["file"]
         expected = section["env"]["VLLM_BUCKETING_FROM_FILE"]
         if not str(expected).endswith(str(PORT_SERVING / section["buckets"]["file"])):
             raise AssertionError(f"the {where}'s VLLM_BUCKETING_FROM_FILE {expected} is not {PORT_SERVING}/...")
         if not path.is_file():
             raise AssertionError(f"{path} does not exist (the {where}'s VLLM_BUCKETING_FROM_FILE)")
-        problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe), k)
+        problems = lint_bucket_text(path.read_text(), recipe_geometry(recipe), k, drafter_graphs=drafter)
         if problems:
             raise AssertionError(f"{path}: {len(problems)} problems, first: {problems[0]}")
         linted.append(f"{path.name} ({where}{f', {k} drafts' if k else ''})")
-    return f"{' and '.join(linted)} lint against the recipe's flags"
+    return f"{', '.join(linted)} lint against the recipe's flags"
 
 
 def run_gates(args) -> list[Result]:

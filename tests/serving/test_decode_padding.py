@@ -52,6 +52,8 @@ def test_the_report_on_the_committed_files():
     assert "tp8-seqs16-256k.txt: 23 decode buckets, 23 graphs (limit 25), no speculation" in out
     assert ("tp8-seqs16-256k-spec.txt: 8 decode buckets; with 4 speculative tokens 24 prepared graphs (limit 25), "
             "and verify steps with 2..4 tokens a sequence can form 30 more shapes") in out
+    assert ("tp8-seqs16-256k-dflash2.txt: 7 decode buckets; with 7 speculative tokens 21 prepared graphs and 4 "
+            "drafter block graphs (padded batches 1, 4, 8, 16), 25 in all (limit 25)") in out
     lines = out.splitlines()
     spec = lines.index(next(line for line in lines if line.startswith("tp8-seqs16-256k-spec.txt")))
     # batch 2 under the variant runs as 4 rows; at 64K a sequence its 1024 blocks pad to 2048

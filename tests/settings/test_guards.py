@@ -188,3 +188,66 @@ def test_dflash_is_admitted_only_with_beams_dflash2_drafter(tmp_path):
     assert startup_problems({}, args(speculative_config=eagle), device_type="cpu") == []
     llama = Namespace(model="meta-llama/Llama-3.2-1B", speculative_config={**ok, "model": qwen_draft})
     guards.guard_serve_args(llama)  # not a Beam launch: vLLM's own checks only
+
+
+def test_dflash_on_hpu_is_admitted_for_beam_with_its_drafter_and_refused_once_per_reason(tmp_path, tiny_fp32):
+    """On HPU `dflash` drafts through the port's DFlash2 proposer: Beam's drafter starts; another
+    drafter, or one whose config.json is not here, is refused once (rule dflash_drafter, naming
+    `--speculative-config model`), not again by speculation_on_hpu; a target whose config.json says
+    another model type is refused naming --model; a target not on this host is not guessed at."""
+    def checkpoint(name, **config):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        return str(d)
+
+    beam_draft = checkpoint("beam-draft", architectures=["DFlash2BeamDraftModel"])
+    ok = {"method": "dflash", "model": beam_draft, "num_speculative_tokens": 7}
+    hpu = dict(device_type="hpu")
+    assert startup_problems({}, args(speculative_config=ok), **hpu) == []
+    assert startup_problems({}, args(model=str(tiny_fp32), speculative_config=json.dumps(ok)), **hpu) == []
+    assert startup_problems({}, args(model="reflection/not-on-this-host", speculative_config=ok), **hpu) == []
+    other = checkpoint("qwen-draft", architectures=["DFlashDraftModel"])
+    for model, says in ((other, "DFlashDraftModel"), (str(tmp_path / "absent"), "not on this host")):
+        problems = startup_problems({}, args(speculative_config={**ok, "model": model}), **hpu)
+        assert len(problems) == 1, problems
+        assert problems[0].startswith(f"--speculative-config model {model!r}") and says in problems[0]
+    llama = checkpoint("llama", model_type="llama")
+    problems = startup_problems({}, args(model=llama, speculative_config=ok), **hpu)
+    assert len(problems) == 1 and problems[0].startswith(f"--model {llama!r} (config.json model_type 'llama')")
+    assert "'beam' target only" in problems[0]
+    # the target is the HPU proposer's condition: on CPU the rule is the drafter's alone
+    assert startup_problems({}, args(model=llama, speculative_config=ok), device_type="cpu") == []
+    # a method no HPU runner drafts with is still refused, naming the method
+    problems = startup_problems({}, args(speculative_config={"method": "suffix"}), **hpu)
+    assert len(problems) == 1 and problems[0].startswith("--speculative-config method 'suffix' on HPU")
+
+
+def test_dflash_on_hpu_keeps_the_draft_count_its_bucket_file_was_made_for(tmp_path):
+    """A bucket file whose header names a draft count (the DFlash2 variant's) refuses method dflash
+    at another count on HPU, naming the field, the file and its count; a file that names none, one
+    that is not here, and other methods are not looked at."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text('{"architectures": ["DFlash2BeamDraftModel"]}')
+    made_for_7 = tmp_path / "seven.txt"
+    made_for_7.write_text("# buckets\n" + guards.bucket_file_drafts_line(7) + " (why)\n\n(1, 1, [32])\n")
+    no_count = tmp_path / "any.txt"
+    # a count after the first bucket is not the header's
+    no_count.write_text("# buckets\n(1, 1, [32])\n" + guards.bucket_file_drafts_line(7) + "\n")
+    assert guards.bucket_file_drafts(made_for_7.read_text()) == 7
+    assert guards.bucket_file_drafts(no_count.read_text()) is None
+
+    def problems(k, path, method="dflash", device_type="hpu"):
+        config = {"method": method, "model": str(draft), "num_speculative_tokens": k}
+        return startup_problems({"VLLM_BUCKETING_FROM_FILE": str(path)}, args(speculative_config=config),
+                                device_type=device_type)
+
+    assert problems(7, made_for_7) == []
+    refused = problems(3, made_for_7)
+    assert len(refused) == 1, refused
+    assert refused[0].startswith("--speculative-config num_speculative_tokens 3 with method 'dflash' on HPU")
+    assert f"VLLM_BUCKETING_FROM_FILE {made_for_7} is made for 7" in refused[0]
+    assert problems(3, no_count) == [] and problems(3, tmp_path / "absent.txt") == []
+    assert problems(3, made_for_7, device_type="cpu") == []
+    assert problems(3, made_for_7, method="eagle3") == []

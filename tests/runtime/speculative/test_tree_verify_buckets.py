@@ -10,7 +10,9 @@ block more) make a step's block list up to one block per crossing row longer tha
 such list must still land in a prepared bucket (no fallback bucket added mid-serving, no list
 longer than its bucket), for the full and the sliding-window block lists alike. The variant's
 file prepares, by the tree's count, what serving/lint_buckets.py counts, within the recipe's
-graph limit, and serving/decode_padding.py pads steps as the tree's lookups and decode step do.
+graph limit, and serving/decode_padding.py pads steps as the tree's lookups and decode step do. The
+DFlash2 variant's file (serving/launch-dflash2.sh's, 7 drafts) prepares the linter's count too, and
+the padded batches the tree's lookups give its decode steps are the linter's drafter block graphs.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ KV_BLOCKS = 776_448 // BS  # the recipe's KV pool per replica
 
 RECIPE_FILE = SERVING_DIR / RECIPE["buckets"]["file"]
 VARIANT_FILE = SERVING_DIR / RECIPE["speculative"]["buckets"]["file"]
+DFLASH2_FILE = SERVING_DIR / RECIPE["dflash2"]["buckets"]["file"]
+DFLASH2_DRAFTS = json.loads(RECIPE["dflash2"]["serve"]["speculative-config"])["num_speculative_tokens"]
 
 
 def recipe_buckets(root, drafts=DRAFTS, bucket_file=RECIPE_FILE):
@@ -113,29 +117,33 @@ def test_a_crossing_row_at_a_bucket_edge_moves_the_port_to_the_next_prepared_buc
     assert_in_prepared_buckets(manager, rows, full, window)
 
 
-@pytest.fixture(params=[RECIPE_FILE, VARIANT_FILE], ids=lambda p: p.name)
+@pytest.fixture(params=[(RECIPE_FILE, DRAFTS), (VARIANT_FILE, DRAFTS), (DFLASH2_FILE, DFLASH2_DRAFTS)],
+                ids=lambda p: f"{p[0].name}-k{p[1]}")
 def bucket_file(request):
+    """A bucket file and the drafts a step verifies with it."""
     return request.param
 
 
 def test_verify_steps_at_max_model_len_fit_the_top_bucket(tree, bucket_file):
-    manager = recipe_buckets(tree.root, bucket_file=bucket_file)
-    ctx = GEOMETRY.max_model_len - (DRAFTS + 1)  # the last verify step a sequence can take
+    bucket_file, drafts = bucket_file
+    manager = recipe_buckets(tree.root, drafts, bucket_file)
+    ctx = GEOMETRY.max_model_len - (drafts + 1)  # the last verify step a sequence can take
     for num_decodes in (1, 16):
-        rows, full, window = verify(tree, manager, [ctx] * num_decodes, [DRAFTS + 1] * num_decodes)
-        assert rows == num_decodes * (DRAFTS + 1)
+        rows, full, window = verify(tree, manager, [ctx] * num_decodes, [drafts + 1] * num_decodes)
+        assert rows == num_decodes * (drafts + 1)
         assert full == (rows * PER_SEQ, rows * PER_SEQ)
         assert_in_prepared_buckets(manager, rows, full, window)
 
 
 def test_verify_steps_land_in_prepared_buckets(tree, bucket_file):
-    manager = recipe_buckets(tree.root, bucket_file=bucket_file)
+    bucket_file, drafts = bucket_file
+    manager = recipe_buckets(tree.root, drafts, bucket_file)
     rng = np.random.default_rng(16)
-    edges = [b * BS + d for b in (1, 4, 32, 128, 512, 1024, 2047) for d in range(-DRAFTS - 1, 2)]
+    edges = [b * BS + d for b in (1, 4, 32, 128, 512, 1024, 2047) for d in range(-drafts - 1, 2)]
     for _ in range(48):
         n = int(rng.choice([1, 2, 3, 5, 8, 13, 16]))
         ctx = [int(rng.choice(edges)) for _ in range(n)]
-        counts = [int(rng.integers(1, DRAFTS + 2)) for _ in range(n)]
+        counts = [int(rng.integers(1, drafts + 2)) for _ in range(n)]
         counts[0] = max(counts[0], 2)  # a verify step: some sequence has a draft
         rows, full, window = verify(tree, manager, ctx, counts)
         assert rows % max(counts) == 0 and rows // max(counts) in {b[0] for b in manager.seed_decode_buckets}
@@ -154,10 +162,30 @@ def test_the_variants_file_prepares_the_linters_count_within_the_graph_limit():
     assert len(recipe_buckets(gaudi_root(), DRAFTS, VARIANT_FILE).decode_buckets) == 24
 
 
+def test_the_dflash2_file_prepares_the_linters_graphs_and_drafter_batches():
+    # 21 verify-step graphs at 7 drafts by the tree's own generation, and the batches its lookups pad
+    # a decode step to (a verify step: the seed lookup; a step without drafts: the prepared one) are
+    # the drafter block graphs serving/lint_buckets.py adds: 25 in all
+    from serving.lint_buckets import drafter_block_batches, speculative_decode_buckets
+
+    manager = recipe_buckets(gaudi_root(), DFLASH2_DRAFTS, DFLASH2_FILE)
+    seeds, prepared = list(manager.seed_decode_buckets), list(manager.decode_buckets)
+    assert speculative_decode_buckets(seeds, DFLASH2_DRAFTS, GEOMETRY) == set(prepared) and len(prepared) == 21
+    edges = sorted({b[2] for b in prepared})
+    batches = set()
+    for n in range(1, GEOMETRY.max_num_seqs + 1):
+        for blocks in sorted({n, n * PER_SEQ} | {e + d for e in edges for d in (0, 1) if n <= e + d <= n * PER_SEQ}):
+            batches |= {manager.find_decode_bucket(n, blocks, True)[0], manager.find_decode_bucket(n, blocks)[0]}
+    assert manager.decode_buckets == prepared  # no fallback bucket was added
+    assert batches == drafter_block_batches(seeds, prepared, GEOMETRY) == {1, 4, 8, 16}
+    assert len(prepared) + len(batches) <= GEOMETRY.max_decode_graphs
+
+
 def test_decode_padding_looks_buckets_up_as_the_tree_does(bucket_file):
     from serving.decode_padding import lookup, plain_step
 
-    manager = recipe_buckets(gaudi_root(), bucket_file=bucket_file)
+    bucket_file, drafts = bucket_file
+    manager = recipe_buckets(gaudi_root(), drafts, bucket_file)
     seeds, prepared = list(manager.seed_decode_buckets), list(manager.decode_buckets)
     for n in range(1, GEOMETRY.max_num_seqs + 1):
         for blocks in sorted({n, n * 5, n * 32 + 1, n * 129, n * 512, n * 1025, n * PER_SEQ - 1, n * PER_SEQ}):
@@ -171,14 +199,15 @@ def test_decode_padding_predicts_the_trees_verify_steps(tree, bucket_file):
     # stock's: the step's rows and padded block list are what serving/decode_padding.py says
     from serving.decode_padding import verify_step
 
-    manager = recipe_buckets(tree.root, bucket_file=bucket_file)
+    bucket_file, drafts = bucket_file
+    manager = recipe_buckets(tree.root, drafts, bucket_file)
     seeds, prepared = list(manager.seed_decode_buckets), list(manager.decode_buckets)
     rng = np.random.default_rng(23)
     for _ in range(24):
         n = int(rng.choice([1, 2, 3, 4, 5, 8, 12, 16]))
-        ctx = [int(rng.choice([1, 31, 127, 500, 1023, 2040])) * BS + int(rng.integers(0, BS - DRAFTS - 1))
+        ctx = [int(rng.choice([1, 31, 127, 500, 1023, 2040])) * BS + int(rng.integers(0, BS - drafts - 1))
                for _ in range(n)]
-        counts = [int(rng.integers(1, DRAFTS + 2)) for _ in range(n)]
+        counts = [int(rng.integers(1, drafts + 2)) for _ in range(n)]
         counts[0] = max(counts[0], 2)
         rows, full, _ = verify(tree, manager, ctx, counts)
         blocks = sum(math.ceil((c + 1) / BS) for c in ctx)

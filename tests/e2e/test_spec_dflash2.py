@@ -6,7 +6,9 @@ One server without speculation, then one with `--speculative-config '{"method": 
 round alike only there). At temperature 0 every answer is identical: copy completions by token id,
 chat answers with reasoning, a tool call and a json_schema answer (the beam parsers and the
 response grammar on every chat step), streamed and not; and a completion that ends at the model
-length, where the drafter's blocks reach past its RoPE table. The proposer must have drafted, and its
+length, where the drafter's last blocks reach past it (their rows there are clamped; unclamped,
+vLLM-CPU's rotary kernel reads past its table unchecked and the answer is the same, so this is an
+end-to-end check of the end, not of the clamp: test_cpu_dflash2_proposer.py checks that). The proposer must have drafted, and its
 mean accepted length is printed.
 
 Sampled requests are exact in distribution: the same two servers draw the first two tokens of
@@ -123,7 +125,7 @@ def run_all(server) -> dict:
         c = client.completions.create(model=server.model, prompt=p, max_tokens=40, temperature=0,
                                       extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
         copies.append(list(c.token_ids))
-    # a completion that ends at the model length: its last blocks reach past the RoPE table
+    # a completion that ends at the model length: its last blocks reach past it
     (passage,) = copy_prompts(n=1, length=64, restart=0)
     long = (passage * (MAX_MODEL_LEN // len(passage) + 1))[:MAX_MODEL_LEN - TO_THE_END]
     end = client.completions.create(model=server.model, prompt=long, max_tokens=TO_THE_END, temperature=0,

@@ -73,8 +73,8 @@ def block_inputs(bonus_ids: torch.Tensor, last_positions: torch.Tensor, block: i
     Near the end of the model length a block reaches past it: the drafts there are dropped by the
     scheduler (a request has no room for them), but their rows still run. Such a row takes
     position max_model_len - 1 (the drafter's RoPE table ends at its max_position_embeddings,
-    which may be the model length: an index past it stops the engine on CPU and reads past the
-    table on a card) and is no key for the other rows (`DFlash2Context.block_valid`), so the rows
+    which may be the model length: vLLM's native RoPE raises on an index past it, vLLM-CPU's
+    rotary kernel and a card's read past the table's end unchecked) and is no key for the other rows (`DFlash2Context.block_valid`), so the rows
     that can still be accepted draft from their own positions and the context only.
     """
     R = bonus_ids.shape[0]

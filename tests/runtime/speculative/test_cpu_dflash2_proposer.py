@@ -58,8 +58,7 @@ def test_batch_pads_and_marks_padding_invalid():
 def test_block_rows_past_the_model_length_take_no_part():
     """A block that reaches past max_model_len: its rows there sit at max_model_len - 1 (inside
     the RoPE table) and are no keys, so the rows below draft what a block cut at max_model_len
-    drafts (the convolution's taps look back only), and the step runs where an index past the
-    RoPE table would stop it."""
+    drafts (the convolution's taps look back only); unclamped, vLLM's native RoPE raises."""
     model = tiny_dflash2()
     mml = model.config.max_position_embeddings  # the model length at the RoPE table's end
     g = torch.Generator().manual_seed(1)

@@ -30,7 +30,7 @@ from tests.support.gaudi.window_kv_runner import make_runner, set_batch
 from tests.support.window_kv.configs import full_only_config
 
 pytestmark = pytest.mark.gaudi_tree
-tree = port_tree_fixture()
+tree = port_tree_fixture(scope="module")  # the tests only read the tree
 
 K = 3
 BS, NUM_BLOCKS, WIDTH = 4, 64, 16
@@ -207,9 +207,9 @@ def reference(model, target, seqs):
     return dict(zip([s.rid for s in seqs], model.draft_greedy(hidden, ids[:, 0])[0].tolist())), hidden
 
 
-@pytest.fixture
-def ported(tmp_path):
-    return port_tree(tmp_path)
+@pytest.fixture(scope="module")
+def ported(tmp_path_factory):
+    return port_tree(tmp_path_factory.mktemp("site"))
 
 
 def test_the_trees_steps_draft_as_over_the_accepted_context(ported):

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 
 import torch
 
+from beam_hpu.model.dflash2_sizes import DFlash2Sizes
 from beam_hpu.runtime.sliding_window.hpu_window import window_block_count
 
 GIB = 2**30
@@ -200,30 +201,11 @@ def longest_context(blocks: int, block_size: int, sequences: int, sliding_groups
     return ((blocks - 1) // sequences - sliding_groups * sliding_blocks) * block_size
 
 
-@dataclass(frozen=True)
-class DFlash2Drafter:
-    """DFlash2's drafter as its card publishes it (beam_hpu/model/dflash2.py): 5 layers, hidden 5120,
-    40 query / 8 KV heads of 128, SwiGLU 17,408, Beam's states at 5 layers, a 4,096-token window;
-    not on the card, what its 1.93B count implies (tests/model/test_dflash2.py): two-tap
-    convolutions over groups of 16 channels, selector rank 256. bf16: the model builds its linears
-    without a quantisation config. The embedding and LM head are Beam's (no bytes of its own)."""
-
-    layers: int = 5
-    hidden: int = 5120
-    q_heads: int = 40
-    kv_heads: int = 8
-    head_dim: int = 128
-    intermediate: int = 17408
-    target_states: int = 5
-    taps: int = 2
-    conv_group: int = 16
-    rank: int = 256
-    vocab: int = 151936
-    window: int = 4096
-    dtype_bytes: int = 2
+# The drafter's bytes a value: bf16, as the model builds its linears without a quantisation config.
+DRAFTER_DTYPE_BYTES = 2
 
 
-def dflash2_params_per_card(d: DFlash2Drafter, tp: int) -> dict[str, int]:
+def dflash2_params_per_card(d: DFlash2Sizes, tp: int) -> dict[str, int]:
     """Parameters one card holds at TP `tp`: the attention and MLP linears are split by tp (vLLM's
     QKV / merged-column / row-parallel layers); fc, the convolutions' kernel projections, the
     selector (codebooks over the whole vocabulary) and the norms are replicated on every card."""
@@ -234,18 +216,18 @@ def dflash2_params_per_card(d: DFlash2Drafter, tp: int) -> dict[str, int]:
     per_layer_replicated = 2 * conv + 2 * D + 2 * H  # attention and MLP convs; q/k norms; two norms
     return {"split by TP (q/k/v/o, SwiGLU)": d.layers * (attention + mlp) // tp,
             "replicated (fc, conv projections, selector, norms)":
-                d.layers * per_layer_replicated + d.target_states * H * H + 2 * H + 2 * d.vocab * d.rank + d.rank * H}
+                d.layers * per_layer_replicated + len(d.target_layer_ids) * H * H + 2 * H + 2 * d.vocab * d.rank + d.rank * H}
 
 
-def dflash2_context_bytes(d: DFlash2Drafter, tp: int | None = None) -> int:
+def dflash2_context_bytes(d: DFlash2Sizes, tp: int | None = None) -> int:
     """One request's window of context keys and values: [layers, window, KV heads, head_dim] each;
     the whole node's (tp None) or one card's (KV heads split by tp, at least one)."""
     heads = d.kv_heads if tp is None else max(1, d.kv_heads // tp)
-    return d.layers * d.window * heads * d.head_dim * 2 * d.dtype_bytes
+    return d.layers * d.window * heads * d.head_dim * 2 * DRAFTER_DTYPE_BYTES
 
 
 def drafter_memory_lines(shape: AttentionShape = BEAM_501B_TP8, *, block_size: int = 128, sequences: int = 16,
-                         free_bytes: float | None = None, drafter: DFlash2Drafter = DFlash2Drafter()) -> list[str]:
+                         free_bytes: float | None = None, drafter: DFlash2Sizes = DFlash2Sizes()) -> list[str]:
     """The DFlash2 drafter's bytes per card beside the KV pool: its weights and each request's
     context window (kept by the proposer, outside vLLM's KV cache), and the bf16 pool it costs when
     allocated before the profile run (F smaller by it; the worker's split and vLLM's division as
@@ -254,7 +236,7 @@ def drafter_memory_lines(shape: AttentionShape = BEAM_501B_TP8, *, block_size: i
         free_bytes = free_from_graph_reserve(RECIPE_GRAPH_RESERVE_GIB, MemoryFigures(0.0))
     tp = shape.tp
     params = dflash2_params_per_card(drafter, tp)
-    weights = sum(params.values()) * drafter.dtype_bytes
+    weights = sum(params.values()) * DRAFTER_DTYPE_BYTES
     node_request, card_request = dflash2_context_bytes(drafter), dflash2_context_bytes(drafter, tp)
     context = sequences * card_request
     memory = MemoryFigures(free_bytes)
@@ -263,10 +245,10 @@ def drafter_memory_lines(shape: AttentionShape = BEAM_501B_TP8, *, block_size: i
     lines = [f"DFlash2 drafter beside it (`--speculative-config dflash`), a model: bf16, TP {tp}, "
              f"--max-num-seqs {sequences}, at the central F ({free_bytes / GIB:.3f} GiB)",
              f"weights per card: {', '.join(f'{n} {c / 1e6:,.1f}M' for n, c in params.items())} parameters x "
-             f"{drafter.dtype_bytes} bytes = {weights / 1e6:,.1f} MB (the whole drafter: "
+             f"{DRAFTER_DTYPE_BYTES} bytes = {weights / 1e6:,.1f} MB (the whole drafter: "
              f"{sum(dflash2_params_per_card(drafter, 1).values()) / 1e9:.2f}B parameters)",
              f"context window per request: {drafter.layers} layers x {drafter.window:,} tokens x "
-             f"{drafter.kv_heads} KV heads x {drafter.head_dim} x 2 (K, V) x {drafter.dtype_bytes} bytes = "
+             f"{drafter.kv_heads} KV heads x {drafter.head_dim} x 2 (K, V) x {DRAFTER_DTYPE_BYTES} bytes = "
              f"{node_request / 1e6:.1f} MB on the node, {card_request / 1e6:.1f} MB a card "
              f"({max(1, drafter.kv_heads // tp)} KV head); x {sequences} = {context / 1e6:.1f} MB a card "
              "(positions and flags not counted)",

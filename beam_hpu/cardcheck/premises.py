@@ -14,6 +14,7 @@ import torch
 
 from beam_hpu.cardcheck import verdicts
 from beam_hpu.cardcheck.device import Device
+from beam_hpu.model.dflash2_sizes import DFlash2Sizes
 from beam_hpu.quant.rounding import GAUDI2_FP8_MAX, fp32_product_cast_to_fp8, gaudi_cast_to_fp8, per_token_fp8
 
 # Beam-1.0-501B-A23B at the recipe's TP 8 / EP 8 (beam_hpu/model/config.py's published values).
@@ -45,25 +46,9 @@ class Shapes:
 
 
 @dataclass(frozen=True)
-class DrafterShapes:
-    """DFlash2's drafter as its card publishes it (beam_hpu/model/dflash2.py), whole (not per card).
-    Not on the card: the selector's rank (256 and conv groups of 16 are what its 1.93B count
-    implies: tests/model/test_dflash2.py) and top-k (8, the tiny drafter's)."""
+class DrafterShapes(DFlash2Sizes):
+    """The DFlash2 drafter whole (not per card), at the batches its step is timed at."""
 
-    layers: int = 5
-    hidden: int = 5120
-    q_heads: int = 40
-    kv_heads: int = 8
-    head_dim: int = 128
-    intermediate: int = 17408
-    window: int = 4096
-    target_layer_ids: tuple[int, ...] = (4, 16, 28, 40, 46)
-    taps: int = 2
-    conv_group: int = 16
-    rank: int = 256
-    top_k: int = 8
-    vocab: int = VOCAB
-    block: int = 8
     batches: tuple[int, ...] = (1, 4, 16)
 
     def per_card_config(self, tp: int = 8):

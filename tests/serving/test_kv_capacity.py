@@ -3,6 +3,7 @@ recipe's 776,448-token bf16 pool from its memory figures, and FP8 KV halves the 
 
 import torch
 
+from beam_hpu.model.dflash2_sizes import DFlash2Sizes
 from serving import kv_capacity as kc
 
 GIB = 2**30
@@ -136,7 +137,7 @@ def test_an_eagle_drafter_layer_widens_every_window_group_to_10_layers():
 
 
 def test_the_dflash2_drafters_bytes_a_card():
-    d = kc.DFlash2Drafter()
+    d = DFlash2Sizes()
     # The context window: 5 x 4096 x 8 x 128 x 2 (K, V) x 2 bytes on the node; one KV head a card.
     assert kc.dflash2_context_bytes(d) == 5 * 4096 * 8 * 128 * 2 * 2 == 83_886_080
     assert kc.dflash2_context_bytes(d, 8) == 83_886_080 // 8
@@ -162,7 +163,7 @@ def test_the_dflash2_count_is_the_models_own():
     with set_current_vllm_config(VllmConfig()), torch.device("meta"):
         model = DFlash2BeamModel(FULL_DRAFTER.per_card_config(1))
     count = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embed_tokens"))
-    assert count == sum(kc.dflash2_params_per_card(kc.DFlash2Drafter(), 1).values())
+    assert count == sum(kc.dflash2_params_per_card(DFlash2Sizes(), 1).values())
     assert round(count / 1e9, 2) == 1.93
 
 
@@ -171,7 +172,7 @@ def test_the_dflash2_memory_lines_cost_the_pool_what_the_worker_split_gives(caps
     lines = kc.drafter_memory_lines(free_bytes=f)
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in lines if line.startswith("| ")}
     base = kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f), 128, torch.bfloat16)["tokens"]
-    d = kc.DFlash2Drafter()
+    d = DFlash2Sizes()
     both = sum(kc.dflash2_params_per_card(d, 8).values()) * 2 + 16 * kc.dflash2_context_bytes(d, 8)
     after = kc.capacity(kc.BEAM_501B_TP8, kc.MemoryFigures(f - both), 128, torch.bfloat16)["tokens"]
     assert rows["weights + context windows"][3] == f"{after:,}"

@@ -15,6 +15,8 @@ R rows of a batch, T rows per request in one write.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
 
@@ -65,12 +67,18 @@ class ContextRing(nn.Module):
 
 
 class SlotTable:
-    """Which request owns which slot of the ring (host side; S slots, the runner's max_num_seqs)."""
+    """Which request owns which slot of the ring (host side; S slots, the runner's max_num_seqs).
+
+    A request keeps its slot while the runner keeps it (`runner.requests`), preempted or not, so a
+    resumed request drafts from its context again. The runner can hold more requests than it runs
+    at once (preempted ones wait beside new ones): when no slot is free, the one used least
+    recently by a request outside the current step is taken; that request's context starts over
+    if it comes back (drafts get worse for a while, answers do not change)."""
 
     def __init__(self, slots: int) -> None:
         self.spare = slots
         self.free = list(range(slots - 1, -1, -1))
-        self.owner: dict[str, int] = {}
+        self.owner: OrderedDict[str, int] = OrderedDict()  # least recently used first
 
     def release_absent(self, live: set[str]) -> None:
         for req_id in [r for r in self.owner if r not in live]:
@@ -78,6 +86,10 @@ class SlotTable:
 
     def assign(self, req_ids: list[str | None]) -> tuple[list[int], list[int]]:
         """(slot of each request, None -> the spare; slots newly taken, to be cleared)."""
+        step = {r for r in req_ids if r is not None}
+        if len(step) > self.spare:
+            raise RuntimeError(f"DFlash2 drafter: {len(step)} requests in one drafting step, more than the "
+                               f"{self.spare} context slots (max_num_seqs)")
         slots, new = [], []
         for req_id in req_ids:
             if req_id is None:
@@ -85,9 +97,10 @@ class SlotTable:
                 continue
             if req_id not in self.owner:
                 if not self.free:
-                    raise RuntimeError(f"DFlash2 drafter: no context slot left for request {req_id!r} "
-                                       f"({len(self.owner)} held, max_num_seqs {self.spare})")
+                    idle = next(r for r in self.owner if r not in step)
+                    self.free.append(self.owner.pop(idle))
                 self.owner[req_id] = self.free.pop()
                 new.append(self.owner[req_id])
+            self.owner.move_to_end(req_id)
             slots.append(self.owner[req_id])
         return slots, new

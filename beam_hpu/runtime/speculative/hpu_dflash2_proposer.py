@@ -8,7 +8,7 @@ does with lists grown on the host, this one does with shapes fixed per (batch bu
 that a card compiles and captures one graph per decode batch bucket and block:
 
 - the context is a `dflash2_ring.ContextRing` (W = the drafter's window rows per request slot,
-  a slot per sequence the runner can hold), written in the same step as the block is drafted;
+  a slot per sequence the runner runs at once), written in the same step as the block is drafted;
 - a decode step hands the drafter all B x (k + 1) rows of vllm-gaudi's padded verify layout and a
   [B, k + 1] mask of the accepted ones (built on the host from the sampled token lists the runner
   already read back), the bonus tokens and the slots as [B] tensors: three small host-to-device

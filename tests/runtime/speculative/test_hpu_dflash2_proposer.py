@@ -5,7 +5,8 @@ padded B x (k + 1) layout, sampled token lists on the host), with the committed 
 - its drafts equal a block drafted over every accepted row at once (the CPU proposer's context
   functions, which tests/runtime/speculative/test_cpu_dflash2_proposer.py checks against the
   whole context recomputed), through rejected drafts, padding requests, a window that wraps the
-  ring, a narrower verify step, and a finished request's slot taken by a new one;
+  ring, a narrower verify step, a finished request's slot taken by a new one, and more requests
+  held than slots;
 - the captured step records one and the same set of ops and shapes on every decode step, with
   no nonzero, read-back or boolean-mask index.
 """
@@ -151,8 +152,28 @@ def test_a_finished_requests_slot_holds_nothing_for_the_next():
         prefill(p, Runner(["a"]), {"a": (0, a)}, {"a": 3})
         drafts = prefill(p, Runner(["c"]), {"c": (8, c)}, {"c": 9})
         assert torch.equal(drafts, reference(model, [(torch.arange(8, 12), c)], [9]))
-        with pytest.raises(RuntimeError, match="no context slot left for request 'e'"):
-            prefill(p, Runner(["c", "e"]), {"e": (0, c)}, {"e": 9})
+
+
+def test_more_requests_than_slots_take_the_least_recently_used_idle_slot():
+    """The runner keeps preempted requests beside running ones, so it can hold more than
+    max_num_seqs: a new request takes the slot of the one that drafted least recently outside its
+    step, and that one starts over when it comes back."""
+    model = tiny_dflash2()
+    width = model.model.fc.input_size
+    g = torch.Generator().manual_seed(4)
+    rows = {r: torch.randn(5, width, generator=g) for r in "abc"}
+    p = proposer(model, max_num_seqs=2)
+    everyone = Runner(["a", "b", "c"])  # all three held by the runner, two run at a time
+    with torch.no_grad():
+        prefill(p, everyone, {"a": (0, rows["a"])}, {"a": 1})
+        prefill(p, everyone, {"b": (0, rows["b"])}, {"b": 2})
+        prefill(p, everyone, {"c": (0, rows["c"])}, {"c": 3})  # takes a's slot
+        assert set(p.slots.owner) == {"b", "c"}
+        drafts = prefill(p, everyone, {"a": (5, rows["a"][:1])}, {"a": 4})  # a is back: only its new row
+        assert torch.equal(drafts, reference(model, [(torch.tensor([5]), rows["a"][:1])], [4]))
+        assert set(p.slots.owner) == {"c", "a"}
+        with pytest.raises(RuntimeError, match="3 requests in one drafting step, more than the 2 context slots"):
+            prefill(p, everyone, {r: (10, rows[r]) for r in "abc"}, {r: 5 for r in "abc"})
 
 
 def test_a_block_past_max_model_len_drafts_what_the_rows_below_it_can():

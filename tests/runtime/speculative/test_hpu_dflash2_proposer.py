@@ -90,7 +90,8 @@ def verify(p, runner, first, states, sampled, per=K + 1, batch=4):
     for i in range(n):
         positions[i * per:(i + 1) * per, 0] = torch.arange(first[i], first[i] + per)
         rows[i * per:(i + 1) * per] = states[i]
-    meta = SimpleNamespace(num_draft_tokens=[per - 1] * n + [0] * (batch - n))
+    # a step without drafts at all is a plain decode: vllm-gaudi builds no spec-decode metadata
+    meta = SimpleNamespace(num_draft_tokens=[per - 1] * n + [0] * (batch - n)) if per > 1 else None
     data = SimpleNamespace(position_ids=positions, spec_decode_metadata=meta)
     return p.propose(runner, sampled, per_layer(rows), None, n, None, data)
 
@@ -115,11 +116,12 @@ def reference(model, contexts, bonus, max_model_len=None):
 def test_drafts_equal_blocks_over_the_accepted_context_fed_at_once(window):
     """a prefills 9 tokens, b 5 (one batch padded to 4 x 12); a verify step accepts 1 of a's 3
     drafts (two rejected rows of garbage) and all of b's; a narrower step (2 rows each: the grammar
-    trimmed the drafts) accepts a's one and none of b's. With a window of 6 the ring wraps."""
+    trimmed the drafts) accepts a's one and none of b's; a plain decode step follows (no drafts
+    scheduled: no spec-decode metadata). With a window of 6 the ring wraps."""
     model = tiny_dflash2(sliding_window=window)
     width = model.model.fc.input_size
     g = torch.Generator().manual_seed(0)
-    full = {"a": torch.randn(13, width, generator=g), "b": torch.randn(10, width, generator=g)}
+    full = {"a": torch.randn(14, width, generator=g), "b": torch.randn(11, width, generator=g)}
     garbage = torch.full((2, width), 1e4)
     runner = Runner(["a", "b"])
     p = proposer(model)
@@ -135,8 +137,12 @@ def test_drafts_equal_blocks_over_the_accepted_context_fed_at_once(window):
         # a narrower step: a's rows 11, 12 (accepts 1), b's rows 9, 10 (accepts 0)
         drafts = verify(p, runner, [11, 9], [full["a"][11:13], torch.cat([full["b"][9:10], garbage[:1]])],
                         [[5, 23], [24]], per=2)
-        assert torch.equal(drafts, reference(model, [(torch.arange(13), full["a"]),
-                                                      (torch.arange(10), full["b"])], [23, 24]))
+        assert torch.equal(drafts, reference(model, [(torch.arange(13), full["a"][:13]),
+                                                      (torch.arange(10), full["b"][:10])], [23, 24]))
+        # a plain decode step (no request carried drafts): one row each
+        drafts = verify(p, runner, [13, 10], [full["a"][13:14], full["b"][10:11]], [[25], [26]], per=1)
+        assert torch.equal(drafts, reference(model, [(torch.arange(14), full["a"]),
+                                                      (torch.arange(11), full["b"])], [25, 26]))
 
 
 def test_a_finished_requests_slot_holds_nothing_for_the_next():
@@ -207,7 +213,8 @@ class StepOps(TorchDispatchMode):
 
 def test_every_decode_step_runs_the_same_device_ops():
     """20 verify steps of a padded batch of 4 with 1..3 live sequences, random accepted counts and
-    some narrower steps: the captured step records the same ops and shapes each time."""
+    some narrower steps and plain decode steps: the captured step records the same ops and shapes
+    each time (narrower layouts are padded to k + 1 rows before it)."""
     model = tiny_dflash2()
     width = model.model.fc.input_size
     rng = random.Random(0)
@@ -220,7 +227,7 @@ def test_every_decode_step_runs_the_same_device_ops():
         seen = []
         for _ in range(20):
             live = names[:rng.randint(1, 3)]
-            per = rng.choice([K + 1, K + 1, 2])
+            per = rng.choice([K + 1, K + 1, 2, 1])  # 1: a plain decode step
             accepted = [rng.randint(1, per) for _ in live]
             recorder = StepOps()
             hooks = [p.step.register_forward_pre_hook(lambda *_: setattr(recorder, "recording", True)),

@@ -169,7 +169,8 @@ def run_step(runner, seqs, target, accept, n_states):
     aux, aux_prefills = None, []
     if decodes:
         pos = decode.position_ids.reshape(-1).tolist()
-        per = len(pos) // len(decode.spec_decode_metadata.num_draft_tokens)
+        meta = decode.spec_decode_metadata
+        per = 1 if meta is None else len(pos) // len(meta.num_draft_tokens)
         owner = [(order[i // per].rid if i // per < len(decodes) else None, p) for i, p in enumerate(pos)]
         ok = [i // per < len(decodes) and i % per < len(sampled[i // per]) for i in range(len(pos))]
         aux = list(target.rows(owner, ok).view(-1, per, target.width).chunk(n_states, dim=-1))
@@ -214,7 +215,8 @@ def ported(tmp_path_factory):
 
 def test_the_trees_steps_draft_as_over_the_accepted_context(ported):
     """Two prompts prefilled in one batch; two verify steps (a accepts 1 then 3 drafts, b 3 then
-    0) with a third prompt prefilled beside the second. Every request's drafts equal a block
+    0) with a third prompt prefilled beside the second; then a plain decode step of all three
+    (the scheduler dropped their drafts). Every request's drafts equal a block
     over its accepted rows fed at once: the tree's prefill padding (-1), its verify layout and
     its padded batch reach the proposer's mask and slots as they should; the block's hidden
     states match, not only its greedy drafts. (Stock vllm-gaudi has no DFlash2 drafting to step
@@ -237,7 +239,10 @@ def test_the_trees_steps_draft_as_over_the_accepted_context(ported):
     a, b, c = Seq("a", range(1, 10)), Seq("b", range(1, 6)), Seq("c", range(20, 27))
     with torch.no_grad():
         for seqs, accept, live in (([a, b], {}, [2]), ([a, b], {"a": 1, "b": 3}, [2]),
-                                   ([a, b, c], {"a": 3, "b": 0}, [2, 1])):
+                                   ([a, b, c], {"a": 3, "b": 0}, [2, 1]), ([a, b, c], {}, [3])):
+            if live == [3]:  # the scheduler dropped every draft: a plain decode step, no spec metadata
+                for s_ in seqs:
+                    s_.drafts = []
             blocks.clear()
             drafts = run_step(runner, seqs, target, accept, n_states)
             expected, hidden = reference(model, target, seqs)
@@ -245,4 +250,4 @@ def test_the_trees_steps_draft_as_over_the_accepted_context(ported):
             assert drafts == expected
             got = torch.cat([out[:n] for out, n in zip(blocks, live)])
             torch.testing.assert_close(got, hidden, rtol=1e-5, atol=1e-5)
-    assert len(a.tokens) == 9 + 1 + 2 + 4 and len(b.tokens) == 5 + 1 + 4 + 1
+    assert len(a.tokens) == 9 + 1 + 2 + 4 + 1 and len(b.tokens) == 5 + 1 + 4 + 1 + 1

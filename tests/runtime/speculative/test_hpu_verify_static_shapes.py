@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from beam_hpu.runtime.speculative.hpu_sampled_verify import verify_drafts
 from tests.support.spec_decode import sampling_metadata
 
-B, K, V = 4, 3, 32
+B, V = 4, 32  # K, the slots per sequence, is each test's
 STEPS = 50
 GREEDY = -1.0  # vllm-gaudi's temperature of a greedy request
 
@@ -81,7 +81,7 @@ def forbidden(op) -> str | None:
     return None
 
 
-def gaudi_step(rng: random.Random, top_k: bool, top_p: bool, seeded: bool):
+def gaudi_step(rng: random.Random, top_k: bool, top_p: bool, seeded: bool, K: int):
     """One verify step as vllm-gaudi lays it out (_prepare_spec_decode_inputs): sequence b's
     target rows at b*(K+1) + i, its bonus row after its drafts, padding slots' target index -1
     and draft token_ids[0]; the runner's one sampling row per sequence."""
@@ -118,7 +118,7 @@ def gaudi_step(rng: random.Random, top_k: bool, top_p: bool, seeded: bool):
     return metadata, logits, rows, bonus_token_ids
 
 
-def record(step) -> tuple[frozenset, list[str]]:
+def record(step, K: int) -> tuple[frozenset, list[str]]:
     """The step's set of device ops and what is forbidden among them (a step that fails to run
     on the device is reported through the op that failed)."""
     with DeviceOps() as mode:
@@ -134,18 +134,19 @@ def record(step) -> tuple[frozenset, list[str]]:
     return frozenset((str(func), inputs, outputs) for func, inputs, outputs in mode.ops), problems
 
 
+@pytest.mark.parametrize("K", [3, 7], ids=["k3", "k7 (DFlash2's block 8)"])
 @pytest.mark.parametrize("top_k, top_p", [(False, False), (False, True), (True, True), (True, False)],
                          ids=["plain", "top_p", "top_k+top_p", "top_k"])
-def test_device_shapes_depend_on_batch_and_slots_only(top_k, top_p):
-    rng = random.Random(f"{top_k}{top_p}")
+def test_device_shapes_depend_on_batch_and_slots_only(top_k, top_p, K):
+    rng = random.Random(f"{top_k}{top_p}{K}")
     first: dict[bool, frozenset] = {}  # the device ops of the first step without / with seeded drafts
     counts_seen = set()
     for step_number in range(STEPS):
         seeded = step_number % 2 == 1 if step_number < 2 else rng.random() < 0.5
-        step = gaudi_step(rng, top_k, top_p, seeded)
+        step = gaudi_step(rng, top_k, top_p, seeded, K)
         counts = step[0].num_draft_tokens
         counts_seen.add(tuple(counts))
-        ops, problems = record(step)
+        ops, problems = record(step, K)
         assert not problems, f"step {step_number}, draft counts {counts}: {problems}"
         reference = first.setdefault(seeded, ops)
         assert ops == reference, (f"step {step_number}, draft counts {counts}: device ops of its own "

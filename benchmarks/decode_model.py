@@ -51,8 +51,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from beam_hpu.runtime.fp8.hpu_moe_gather import gathered_count  # noqa: E402
+from beam_hpu.cardcheck.device import CPU_LABEL  # noqa: E402
+from beam_hpu.cardcheck.verdicts import (ASSUMED_BLOCK_SHARE, ASSUMED_VERIFY_8_RATIO,  # noqa: E402
+                                         DFLASH2_ACCEPTED_TABLE, dflash2_gain_model)
 from beam_hpu.model.config import beam_config_class  # noqa: E402
+from beam_hpu.runtime.fp8.hpu_moe_gather import gathered_count  # noqa: E402
 
 CARDS = 8  # TP 8 + --enable-expert-parallel
 BLOCK = 128  # --block-size: KV is read in whole blocks
@@ -138,9 +141,9 @@ def step_bytes(s: Shapes, tokens: int, sequences: int, context: int, path: str) 
     return expert_bytes(s, tokens, path) + sum(fixed_bytes(s).values()) + kv_bytes(s, sequences, context)
 
 
-# The DFlash2 plan's assumptions (beam_hpu/runtime/speculative/README.md, "Expected gain").
-PLAN_VERIFY8, PLAN_BLOCK, PLAN_ACCEPTED = 1.0, 0.1, (2.5, 3.5, 4.0)
-CPU_LABEL = "CPU stand-ins: not a card measurement"  # beam_hpu.cardcheck.device's label
+# The DFlash2 plan's assumptions (beam_hpu/runtime/speculative/README.md, "Expected gain"), as
+# card-check's verdict states them.
+PLAN_VERIFY8, PLAN_BLOCK, PLAN_ACCEPTED = ASSUMED_VERIFY_8_RATIO, ASSUMED_BLOCK_SHARE, DFLASH2_ACCEPTED_TABLE
 
 
 def dflash2_costs_from_card_check(path: Path) -> dict:
@@ -158,8 +161,8 @@ def dflash2_costs_from_card_check(path: Path) -> dict:
 def dflash2_rows(verify8: float, block: float, accepted: tuple[float, ...], one_stream_tok_s: float) -> list[dict]:
     """Per mean accepted length: the step's cost in 1-row steps, the gain and tokens/s."""
     cost = verify8 + block
-    return [{"accepted": length, "cost": cost, "gain": length / cost, "tok_s": one_stream_tok_s * length / cost}
-            for length in accepted]
+    return [{"accepted": length, "cost": cost, "gain": dflash2_gain_model(verify8, block, length),
+             "tok_s": one_stream_tok_s * dflash2_gain_model(verify8, block, length)} for length in accepted]
 
 
 def print_dflash2(a, one_stream_tok_s: float) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from beam_hpu.model.dflash2 import target_aux_layer_ids
+from beam_hpu.model.dflash2 import DFlash2ConfigError, target_aux_layer_ids
 from beam_hpu.runtime.speculative import dflash2_context
 from beam_hpu.runtime.speculative.dflash2_ring import ContextRing, SlotTable
 
@@ -71,6 +71,9 @@ class HpuDFlash2Proposer:
         draft = spec.draft_model_config.hf_config
         self.vllm_config, self.device, self.runner = vllm_config, torch.device(device), runner
         self.num_speculative_tokens = int(spec.num_speculative_tokens)
+        if not getattr(draft, "sliding_window", None):
+            raise DFlash2ConfigError("DFlash2 drafter: config.sliding_window is missing (the context ring on "
+                                     "HPU is one window long a request)")
         self.window = int(draft.sliding_window)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         # The target's layers whose outputs the drafter reads (the runner asks for these).

@@ -244,3 +244,11 @@ def test_every_decode_step_runs_the_same_device_ops():
     names_seen = {op for op, _, _ in seen[0]}
     assert not any("nonzero" in op or "_local_scalar_dense" in op or "masked_select" in op for op in names_seen)
     assert not any(masks for _, _, masks in seen[0])
+
+
+def test_a_drafter_config_without_a_window_is_refused_naming_the_field():
+    from beam_hpu.model.dflash2 import DFlash2ConfigError
+
+    model = tiny_dflash2(sliding_window=None)
+    with pytest.raises(DFlash2ConfigError, match="config.sliding_window is missing"):
+        proposer(model)

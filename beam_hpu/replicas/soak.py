@@ -30,6 +30,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_hpu.replicas import procs
+from beam_hpu.replicas.inflight import HeldStream, held_case, hold_stream
 from beam_hpu.replicas.soak_load import Case, Outcome, cases, send
 from beam_hpu.replicas.supervisor import Fleet, Supervisor
 
@@ -52,10 +53,21 @@ class FaultRecord:
     left_router: bool = False  # the router listed the replica unhealthy at some poll after injection
     recovered: float | None = None  # the router lists it healthy again and its /health answers
     detail: str = ""
+    held: str = ""  # how the stream held in flight on the replica when the fault landed ended (HELD_ENDS)
 
     @property
     def recovery_secs(self) -> float | None:
         return None if self.recovered is None else self.recovered - self.injected
+
+
+# Each fault lands while a stream is held in flight on its replica (inflight.hold_stream: the engine
+# core stopped at the stream's first token), so every fault is mid-stream on any host. How that
+# stream must end: the engine's death as an SSE error event; the API server's as a connection cut
+# under the client; a stop, continued, as a whole answer; a hang, cut when the supervisor kills it.
+HELD_ENDS = {"kill_engine": ("error",), "kill_api": ("broken",), "stop": ("completed",), "hang": ("broken", "error")}
+# Long enough that the engine cannot finish it in the moment between its first token and the stop
+# (inflight.StreamEnded otherwise), short enough that a continued stop finishes it in seconds.
+HELD_TOKENS = 400
 
 
 def default_schedule(health_interval_secs: float, health_failure_threshold: int) -> list[Fault]:
@@ -171,9 +183,17 @@ class FaultRunner:
             return True
         return any(e.action == "healthy" and e.at > rec.injected for e in self.supervisor.events_of(rec.fault.replica))
 
-    def inject(self, fault: Fault) -> FaultRecord:
+    def inject(self, fault: Fault) -> tuple[FaultRecord, HeldStream | None]:
+        """Hold a stream in flight on the replica, then inject the fault (also when no stream could
+        be held: the record says why, and summary_ok flags it)."""
         proc = self.fleet.replica_procs[fault.replica]
-        rec = FaultRecord(fault, time.monotonic())
+        held, why = None, ""
+        try:
+            held = hold_stream(self.fleet, self.fleet.layout.replicas[fault.replica].url,
+                               held_case(HELD_TOKENS, f"held-{fault.kind}"), [fault.replica])
+        except AssertionError as e:
+            why = f"no stream held: {e}"
+        rec = FaultRecord(fault, time.monotonic(), held=why)
         if fault.kind == "kill_engine":
             pid = procs.engine_core_pid(proc.pid)
             if pid is None:
@@ -189,7 +209,7 @@ class FaultRunner:
             rec.detail = f"SIGSTOP group {proc.pid}" + (f" for {fault.hold_secs:.0f}s" if fault.kind == "stop" else "")
         else:
             raise ValueError(f"fault kind {fault.kind!r}: expected one of {FAULT_KINDS}")
-        return rec
+        return rec, held
 
     def run(self) -> None:
         for fault in self.schedule:
@@ -197,7 +217,7 @@ class FaultRunner:
                 self.records.append(FaultRecord(fault, time.monotonic(), detail="fleet not healthy: not injected"))
                 continue
             time.sleep(self.gap_secs)
-            rec = self.inject(fault)
+            rec, held = self.inject(fault)
             self.records.append(rec)
             url = self.fleet.layout.replicas[fault.replica].url
             continued = fault.kind != "stop"
@@ -216,6 +236,12 @@ class FaultRunner:
                         self.on_recovered(rec)
                     break
                 time.sleep(0.5)
+            if held is not None:
+                try:
+                    out, _ = held.finish(timeout=120)
+                    rec.held = f"{out.status}: {out.detail}"[:300] if out.detail else out.status
+                except AssertionError as e:
+                    rec.held = f"hung: {e}"
 
 
 @dataclass
@@ -414,10 +440,11 @@ def report(res: SoakResult) -> str:
     rows.append(("completed greedy answers equal to the unfaulted run's", "(reference)",
                  f"{same - len(bad)}/{same}"))
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    lines += ["", "| fault | replica | router saw it leave | recovered after |", "|---|---|---|---|"]
+    lines += ["", "| fault | replica | stream in flight ended | router saw it leave | recovered after |",
+              "|---|---|---|---|---|"]
     for rec in res.faults:
         kind = rec.fault.kind + (f" {rec.fault.hold_secs:.0f} s" if rec.fault.kind == "stop" else "")
-        lines.append(f"| {kind} | {rec.fault.replica} | {'yes' if rec.left_router else 'no'} | "
+        lines.append(f"| {kind} | {rec.fault.replica} | {rec.held[:60]} | {'yes' if rec.left_router else 'no'} | "
                      f"{fmt(rec.recovery_secs, ' s')} |")
     lines += ["", "| survivor | heap MiB start / end (bound) | RSS MiB start / end (reference peak) | "
                   "fds start / end (bound) | threads start / end (bound) |", "|---|---|---|---|---|"]
@@ -469,6 +496,9 @@ def summary_ok(res: SoakResult) -> list[str]:
         problems.append(f"{len(bad)} completed answers differ from the unfaulted run's: "
                         + "; ".join(f"{o.case}: {o.answer} != {res.reference[o.case]}" for o in bad[:3]))
     for rec in res.faults:
+        if rec.held.split(":")[0] not in HELD_ENDS[rec.fault.kind]:
+            problems.append(f"{rec.fault.kind} on replica {rec.fault.replica}: the stream held in flight ended "
+                            f"{rec.held!r}, expected {' or '.join(HELD_ENDS[rec.fault.kind])}")
         if rec.recovered is None:
             problems.append(f"{rec.fault.kind} on replica {rec.fault.replica} did not recover ({rec.detail})")
     for name in res.survivors:

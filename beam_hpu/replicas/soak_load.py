@@ -25,6 +25,7 @@ import json
 import random
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -138,9 +139,11 @@ class _StreamState:
         return (self.content, self.reasoning, calls)
 
 
-def send(base_url: str, case: Case, deadline: float) -> Outcome:
+def send(base_url: str, case: Case, deadline: float,
+         on_line: Callable[[str, "_StreamState"], None] | None = None) -> Outcome:
     """One exchange of `case` with the server at `base_url` (no /v1); never raises for a server's
-    behaviour, only reports it."""
+    behaviour, only reports it. `on_line` sees each line of a stream as it arrives, with what the
+    stream carried so far."""
     started = time.monotonic()
     if case.expect == "disconnect":
         return _disconnect(base_url, case, deadline, started)
@@ -149,7 +152,7 @@ def send(base_url: str, case: Case, deadline: float) -> Outcome:
     try:
         with httpx.Client(timeout=timeout) as client:
             if case.stream:
-                _stream(client, base_url, case, out, started)
+                _stream(client, base_url, case, out, started, on_line)
             else:
                 r = client.post(f"{base_url}/v1/chat/completions", json=case.body)
                 out.http = r.status_code
@@ -182,7 +185,8 @@ def _plain(r: httpx.Response, case: Case, out: Outcome) -> None:
         out.status, out.detail = "truncated", "HTTP 200 without finish_reason"
 
 
-def _stream(client: httpx.Client, base_url: str, case: Case, out: Outcome, started: float) -> None:
+def _stream(client: httpx.Client, base_url: str, case: Case, out: Outcome, started: float,
+            on_line: Callable[[str, "_StreamState"], None] | None) -> None:
     state = _StreamState()
     with client.stream("POST", f"{base_url}/v1/chat/completions", json=case.body) as r:
         out.http = r.status_code
@@ -191,6 +195,8 @@ def _stream(client: httpx.Client, base_url: str, case: Case, out: Outcome, start
             return
         for line in r.iter_lines():
             state.feed(line, started)
+            if on_line is not None and line.startswith("data: "):
+                on_line(line, state)
             # Counted in events, not in text-bearing chunks: the tiny model's text past its answer
             # (ignore_eos) can be empty for many tokens, and one seen run finished its 400 tokens
             # within 4 text-bearing chunks.

@@ -9,6 +9,9 @@
    answers equal to the unfaulted run's, every fault recovered, survivors' growth under a bound
    from the same run (compared with their own peak while serving alone).
 
+Every fault lands mid-stream by construction (beam_hpu/replicas/inflight.py): the engine core
+holding a stream is stopped at its first token and the stream checked unfinished before the
+fault; a stream that ended first fails that check (test_a_stream_that_ended_before_the_stop_is_refused).
 Bounds are generous deadlines, not speeds. Most of the time is replicas starting again (about a
 minute each on 2 quiet cores, up to three under other load): 4 to 8 minutes."""
 
@@ -17,14 +20,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
-import httpx
 import pytest
 
 from beam_hpu.demo.serve import SERVED_NAME
 from beam_hpu.replicas import procs
+from beam_hpu.replicas.inflight import StreamEnded, held_case, hold_stream
 from beam_hpu.replicas.layout import RouterSettings, plan
 from beam_hpu.replicas.restart import RestartPolicy
 from beam_hpu.replicas.soak import (counts, default_schedule, mismatches, report, router_counter, router_view,
@@ -38,10 +40,9 @@ from tests.support.parallel import VLLM_PORT_BASE, WORKER_PORT_SPAN, free_ports,
 pytestmark = pytest.mark.slow
 
 POLICY = RestartPolicy(unhealthy_after_secs=20.0, startup_timeout_secs=600.0)
-# Long, so the engine is still generating when the kill lands (it is timed by the engine's own
-# CPU time: open_stream_and_kill_engine). The demo's context is 4096 tokens.
-ENDLESS = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Repeat after me: Paris"}],
-           "temperature": 0, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+# The engine is stopped at the stream's first token (hold_stream), so the stream's length only
+# has to exceed one token; a long one keeps a failed stop from passing unseen.
+ENDLESS = held_case(4000, "endless")
 SHORT = Case("next", {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Repeat after me: Rome"}],
                       "temperature": 0, "max_tokens": 16})
 
@@ -72,56 +73,13 @@ def wait_fleet_healthy(fleet, timeout=600):
     raise AssertionError(f"fleet not healthy after {timeout}s: {router_view(fleet)}")
 
 
-def open_stream_and_kill_engine(base_url, fleet, index=None):
-    """Stream ENDLESS from `base_url` and SIGKILL the engine core of the replica running it
-    (`index`, or the one whose engine is generating) once the response has begun (status 200
-    received) and that engine is seen generating. The kill is timed by the engine's own CPU time,
-    not by how many chunks the client has read: a fast engine behind a slow client (or a router's
-    buffering) once finished all its tokens before a chunk-counted kill.
-    Returns (every data line the stream carried, the replica index)."""
-    begun, lines, failure = threading.Event(), [], []
-
-    def stream():
-        try:
-            with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=ENDLESS, timeout=120) as r:
-                lines.append(r.status_code)
-                begun.set()
-                lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
-        except Exception as exc:  # noqa: BLE001  (reported below, in the test's thread)
-            failure.append(exc)
-            begun.set()
-
-    reader = threading.Thread(target=stream, daemon=True)
-    reader.start()
-    assert begun.wait(120) and not failure, failure
-    assert lines[0] == 200, lines[:1]
-    deadline = time.monotonic() + 60
-    while True:
-        busy = running_replicas(fleet, [index] if index is not None else None)
-        if (index is None and len(busy) == 1) or (index is not None and index in busy):
-            break
-        assert time.monotonic() < deadline and reader.is_alive(), f"no engine seen generating the stream: {busy}"
-    index = busy[0] if index is None else index
-    os.kill(procs.engine_core_pid(fleet.replica_procs[index].pid), signal.SIGKILL)
-    reader.join(180)
-    assert not reader.is_alive() and not failure, failure
-    return lines[1:], index
-
-
-def running_replicas(fleet, only=None, window=0.5) -> list[int]:
-    """The replicas (of `only`, default all) whose engine core and its worker spent at least a fifth
-    of `window` on the CPU during it: generating (measured on 2 quiet cores: 0.95 s of each 0.5 s
-    while streaming, 0.01 idle). Read from /proc, not from the API server's /metrics gauge: on a
-    loaded host the API server streaming the 4000 tokens answered no /metrics (nor /health) until
-    the stream had ended, so that gauge never showed the request running (a full-suite run)."""
-    engines = {}
-    for r in fleet.layout.replicas:
-        pid = procs.engine_core_pid(fleet.replica_procs[r.index].pid)
-        if (only is None or r.index in only) and pid is not None:
-            engines[r.index] = pid
-    before = {i: procs.cpu_seconds(pid) for i, pid in engines.items()}
-    time.sleep(window)
-    return [i for i, pid in engines.items() if procs.cpu_seconds(pid) - before[i] >= window / 5]
+def kill_held_engine(held) -> list[str]:
+    """SIGKILL the engine core holding `held` (stopped mid-generation, so the kill lands mid-stream
+    on any host); every data line the stream then carried."""
+    os.kill(held.engine_pid, signal.SIGKILL)
+    out, lines = held.finish(180)
+    assert out.http == 200, out
+    return lines
 
 
 def assert_error_event_then_done(after):
@@ -135,6 +93,18 @@ def assert_error_event_then_done(after):
     assert not any(c.get("finish_reason") for e in events for c in e.get("choices") or [])
 
 
+def test_a_stream_that_ended_before_the_stop_is_refused(fleet):
+    """The mid-stream proof can fail: a one-token stream has ended (its engine finished it in the
+    step that made the token) before hold_stream stops the engine, and hold_stream says so instead
+    of handing back a stream to kill. Both engines run on afterwards."""
+    wait_fleet_healthy(fleet)
+    with pytest.raises(StreamEnded, match="ended before its engine was stopped"):
+        hold_stream(fleet, fleet.layout.router_url, held_case(1, "one-token"), [0, 1])
+    for i in (0, 1):
+        assert procs.state(procs.engine_core_pid(fleet.replica_procs[i].pid)) not in (None, "T")
+    assert send(fleet.layout.router_url, SHORT, deadline=60).status == "completed"
+
+
 def test_engine_death_mid_stream(fleet):
     """Through the router first: the open stream sees the error event (the router passes the bytes
     on; it cannot retry a stream it has started answering), and the next requests are answered
@@ -144,7 +114,8 @@ def test_engine_death_mid_stream(fleet):
     wait_fleet_healthy(fleet)
     retries = router_counter(fleet.metrics_url, "vllm_router_retries_total")
     old = dict(fleet.replica_procs)
-    after, a = open_stream_and_kill_engine(fleet.layout.router_url, fleet)
+    held = hold_stream(fleet, fleet.layout.router_url, ENDLESS, [0, 1])
+    after, a = kill_held_engine(held), held.replica
     assert_error_event_then_done(after)
     nexts = [send(fleet.layout.router_url, SHORT, deadline=60) for _ in range(4)]
     assert [o.status for o in nexts] == ["completed"] * 4 and all(o.http == 200 for o in nexts), nexts
@@ -154,7 +125,7 @@ def test_engine_death_mid_stream(fleet):
 
     b = 1 - a
     url = fleet.layout.replicas[b].url
-    after, _ = open_stream_and_kill_engine(url, fleet, index=b)
+    after = kill_held_engine(hold_stream(fleet, url, ENDLESS, [b]))
     assert_error_event_then_done(after)
     # The API server exits by itself (its watchdog, VLLM_KEEP_ALIVE_ON_ENGINE_DEATH unset): the next
     # request to it finds no server (or, in the moment before it exits, HTTP 500/503).

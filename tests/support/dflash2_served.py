@@ -1,5 +1,5 @@
 """The committed tiny DFlash2 drafter as vLLM builds it (beam_hpu.model.dflash2), in this process:
-for tests that drive the proposer without an engine."""
+for tests that run the drafter or drive the proposer without an engine."""
 
 from __future__ import annotations
 
@@ -27,16 +27,19 @@ def one_rank() -> None:
         initialize_model_parallel(1, 1)
 
 
-def tiny_dflash2(seed: int = 0, **config_changes):
+def tiny_dflash2(seed: int = 0, *, torch_dtype: torch.dtype = torch.float32, **config_changes):
     """The committed drafter's weights by their published names, a random embedding and LM head
-    (the target's, in serving), vLLM's post-load step run. float32."""
+    (the target's, in serving), vLLM's post-load step run. Built in `torch_dtype` as vLLM builds a
+    model in its dtype (the default dtype while the layers are made, weights cast on loading)."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     from beam_hpu.model.dflash2 import DFlash2BeamForCausalLM
 
     one_rank()
     config = SimpleNamespace(**{**json.loads((DFLASH2_DIR / "config.json").read_text()), **config_changes})
-    model = DFlash2BeamForCausalLM(vllm_config=SimpleNamespace(model_config=SimpleNamespace(hf_config=config)))
+    with set_default_torch_dtype(torch_dtype):
+        model = DFlash2BeamForCausalLM(vllm_config=SimpleNamespace(model_config=SimpleNamespace(hf_config=config)))
     model.load_weights(read_dflash2(DFLASH2_DIR).items())
     g = torch.Generator().manual_seed(seed)
     for weight in (model.model.embed_tokens.weight, model.lm_head.weight):
@@ -46,3 +49,41 @@ def tiny_dflash2(seed: int = 0, **config_changes):
         if isinstance(method, QuantizeMethodBase):
             method.process_weights_after_loading(module)
     return model.eval()
+
+
+def drafter_case(model, seed: int = 0) -> dict:
+    """Inputs for `drafter_outputs`, float32: rows for one attention's `_qkv` at positions across
+    the RoPE table (its first and last row too), and two requests' target states: one context from
+    position 0, one ending near max_position_embeddings, so its block's last rows are clamped there."""
+    config = model.config
+    g = torch.Generator().manual_seed(seed)
+    top = config.max_position_embeddings - 1
+    width = model.model.fc.input_size
+    return {"x": torch.randn(9, config.hidden_size, generator=g),
+            "positions": torch.tensor([0, 1, 2, 7, 63, 64, 1000, top - 1, top]),
+            "contexts": [(0, torch.randn(11, width, generator=g)), (top - 14, torch.randn(12, width, generator=g))],
+            "bonus": torch.tensor([17, 301]), "block": int(config.block_size)}
+
+
+@torch.no_grad()
+def drafter_outputs(model, case: dict) -> dict:
+    """The drafter's results on `case` (inputs cast to its dtype): q, k, v of the first layer's
+    attention (`_qkv`), each request's context keys and values (`context_kv`), the block's hidden
+    states and the greedy drafts over them (the proposer's path: dflash2_context's batch and block)."""
+    from beam_hpu.model.dflash2 import DFlash2Context
+    from beam_hpu.runtime.speculative import dflash2_context
+
+    dtype = model.model.norm.weight.dtype  # not a linear's: vLLM-CPU's post-load step may change those
+    q, k, v = model.model.layers[0].self_attn._qkv(case["x"].to(dtype), case["positions"])
+    contexts = []
+    for start, states in case["contexts"]:
+        positions = start + torch.arange(states.shape[0])
+        keys, values = model.context_kv(model.combine_hidden_states(states.to(dtype)), positions)
+        contexts.append(dflash2_context.extend(None, positions, keys, values, model.config.sliding_window))
+    keys, values, ctx_positions, valid = dflash2_context.batch(contexts)
+    last = torch.tensor([c.last_position for c in contexts])
+    ids, positions, in_range = dflash2_context.block_inputs(case["bonus"], last, case["block"], model.mask_token_id,
+                                                            model.config.max_position_embeddings)
+    hidden = model(ids, positions, DFlash2Context(keys, values, ctx_positions, valid, in_range))
+    return {"q": q, "k": k, "v": v, "context_keys": keys, "context_values": values, "hidden": hidden,
+            "drafts": model.draft_greedy(hidden, ids[:, 0])[0], "block_positions": positions}

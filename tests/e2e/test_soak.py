@@ -10,8 +10,8 @@
    from the same run (compared with their own peak while serving alone).
 
 Every fault lands mid-stream by construction (beam_hpu/replicas/inflight.py): the engine core
-holding a stream is stopped at its first token and the stream checked unfinished before the
-fault; a stream that ended first fails that check (test_a_stream_that_ended_before_the_stop_is_refused).
+holding a stream runs in short slices until the client has seen the stream's first event, then
+stays stopped, and the stream is checked unfinished before the fault; a stream that ended first fails that check (test_a_stream_that_ended_before_the_stop_is_refused).
 Bounds are generous deadlines, not speeds. Most of the time is replicas starting again (about a
 minute each on 2 quiet cores, up to three under other load): 4 to 8 minutes."""
 
@@ -40,8 +40,8 @@ from tests.support.parallel import VLLM_PORT_BASE, WORKER_PORT_SPAN, free_ports,
 pytestmark = pytest.mark.slow
 
 POLICY = RestartPolicy(unhealthy_after_secs=20.0, startup_timeout_secs=600.0)
-# The engine is stopped at the stream's first token (hold_stream), so the stream's length only
-# has to exceed one token; a long one keeps a failed stop from passing unseen.
+# The engine runs at most a slice past the stream's first event before it is held (hold_stream):
+# the length only has to exceed what it makes in one slice; a long one leaves a wide margin.
 ENDLESS = held_case(4000, "endless")
 SHORT = Case("next", {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Repeat after me: Rome"}],
                       "temperature": 0, "max_tokens": 16})
@@ -94,9 +94,9 @@ def assert_error_event_then_done(after):
 
 
 def test_a_stream_that_ended_before_the_stop_is_refused(fleet):
-    """The mid-stream proof can fail: a one-token stream has ended (its engine finished it in the
-    step that made the token) before hold_stream stops the engine, and hold_stream says so instead
-    of handing back a stream to kill. Both engines run on afterwards."""
+    """The mid-stream proof can fail: a one-token stream has ended with its first event (its engine
+    finished it in the step that made the token), and hold_stream says so instead of handing back a
+    stream to kill. Both engines run on afterwards."""
     wait_fleet_healthy(fleet)
     with pytest.raises(StreamEnded, match="ended before its engine was stopped"):
         hold_stream(fleet, fleet.layout.router_url, held_case(1, "one-token"), [0, 1])

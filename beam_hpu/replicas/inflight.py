@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from beam_hpu.demo.serve import SERVED_NAME
 from beam_hpu.replicas import procs
+from beam_hpu.replicas.metrics import replica_gauge
 from beam_hpu.replicas.soak_load import Case, Outcome, send
 from beam_hpu.replicas.supervisor import Fleet
 
@@ -47,13 +48,15 @@ class HeldStream:
     replica: int
     engine_pid: int
     events_at_hold: int
+    stopped: list[int]  # the engine core and its workers, all stopped
     _reader: threading.Thread
     _outcome: list[Outcome] = field(default_factory=list)
     _lines: list[str] = field(default_factory=list)
 
     def release(self) -> None:
-        """Continue the engine core (a no-op once it is gone)."""
-        _signal(self.engine_pid, signal.SIGCONT)
+        """Continue the engine core and its workers (a no-op once they are gone)."""
+        for pid in self.stopped:
+            _signal(pid, signal.SIGCONT)
 
     def finish(self, timeout: float) -> tuple[Outcome, list[str]]:
         """Wait for the stream to end; (what the client saw, every `data:` line it carried)."""
@@ -79,15 +82,6 @@ def _ends(line: str) -> bool:
     except ValueError:
         return False
     return any(c.get("finish_reason") for c in event.get("choices") or [])
-
-
-def _running(url: str) -> float:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "vllm:num_requests_running")
 
 
 def hold_stream(fleet: Fleet, base_url: str, case: Case, replicas: list[int], *, deadline: float = 120.0,
@@ -116,20 +110,37 @@ def hold_stream(fleet: Fleet, base_url: str, case: Case, replicas: list[int], *,
         finally:
             ended.set()
 
+    # The engine core and its worker processes: vLLM-CPU runs the model in a `VLLM::Worker` child.
+    trees = {i: [pid, *procs.descendants(pid)] for i, pid in engines.items()}
+
     def each(sig: int) -> None:
-        for pid in engines.values():
-            _signal(pid, sig)
+        for pids in trees.values():
+            for pid in pids:
+                _signal(pid, sig)
+        if sig == signal.SIGSTOP:  # delivered asynchronously: wait until Linux shows every one stopped
+            settle = time.monotonic() + 5
+            while any(procs.state(pid) not in ("T", "t", None, "Z") for pids in trees.values() for pid in pids):
+                assert time.monotonic() < settle, f"engine processes not stopped: {trees}"
+                time.sleep(0.001)
+
+    continued: list[str] = []  # engine processes found running while held: stopped again, and said
 
     def drain() -> None:
         seen, still = len(lines), time.monotonic()
         while time.monotonic() - still < quiet_secs and not ended.is_set():
             time.sleep(0.02)
+            running = [pid for pids in trees.values() for pid in pids if procs.state(pid) not in ("T", "t", None, "Z")]
+            if running:
+                continued.append(f"{running} running {time.monotonic() - sent:.2f}s after the stream was sent")
+                each(signal.SIGSTOP)
             if len(lines) != seen:
                 seen, still = len(lines), time.monotonic()
 
-    each(signal.SIGSTOP)
+    cpu0 = procs.cpu_seconds(next(iter(engines.values())))
     try:
+        each(signal.SIGSTOP)
         reader = threading.Thread(target=read, daemon=True, name=f"held-{case.name}")
+        sent = time.monotonic()
         reader.start()
         end, slices = time.monotonic() + deadline, 0
         while True:
@@ -137,8 +148,11 @@ def hold_stream(fleet: Fleet, base_url: str, case: Case, replicas: list[int], *,
             if ended.is_set() or any(map(_ends, lines)):
                 why = outcome[0].status if outcome else "no outcome"
                 raise StreamEnded(f"{case.name!r} from {base_url} ended before its engine was stopped ({len(lines)} "
-                                  f"data lines after {slices} slices, {why}; last: {lines[-1:]}): a fault now would "
-                                  f"not land mid-stream")
+                                  f"data lines after {slices} slices, {why}; last: {lines[-1:]}; engine processes "
+                                  f"{ {pid: procs.state(pid) for pids in trees.values() for pid in pids} }, "
+                                  f"CPU s since the stream was sent: {procs.cpu_seconds(next(iter(engines.values()))) - cpu0:.2f}; "
+                                  f"{time.monotonic() - sent:.2f}s since; found running while held: {continued or 'never'}): "
+                                  f"a fault now would not land mid-stream")
             if lines:
                 break
             assert time.monotonic() < end, f"no event of {case.name!r} from {base_url} within {deadline:.0f}s"
@@ -149,14 +163,15 @@ def hold_stream(fleet: Fleet, base_url: str, case: Case, replicas: list[int], *,
         if len(engines) == 1:
             replica = next(iter(engines))
         else:
-            running = [i for i in engines if _running(fleet.layout.replicas[i].url) >= 1]
+            running = [i for i in engines if replica_gauge(fleet.layout.replicas[i].url, "vllm:num_requests_running") >= 1]
             assert len(running) == 1, f"cannot tell which replica runs the held stream: running on {running}"
             replica = running[0]
-        held = HeldStream(case, replica, engines[replica], len(lines), reader, outcome, lines)
+        held = HeldStream(case, replica, engines[replica], len(lines), trees[replica], reader, outcome, lines)
     except BaseException:
         each(signal.SIGCONT)
         raise
-    for i, pid in engines.items():
+    for i, pids in trees.items():
         if i != replica:
-            _signal(pid, signal.SIGCONT)
+            for pid in pids:
+                _signal(pid, signal.SIGCONT)
     return held

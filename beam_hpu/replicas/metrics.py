@@ -49,3 +49,10 @@ def read(base_url: str, timeout: float = 5.0) -> Counters:
     """Counters of the server at `base_url` (http://host:port, no /v1)."""
     with urllib.request.urlopen(f"{base_url.rstrip('/')}/metrics", timeout=timeout) as r:
         return parse(r.read().decode())
+
+
+def replica_gauge(url: str, name: str) -> float:
+    """The sum of gauge `name` (e.g. `vllm:num_requests_running`) over a replica's `/metrics` samples."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from beam_hpu.replicas import procs
 from beam_hpu.replicas.inflight import HeldStream, held_case, hold_stream
+from beam_hpu.replicas.metrics import replica_gauge
 from beam_hpu.replicas.soak_load import Case, Outcome, cases, send
 from beam_hpu.replicas.supervisor import Fleet, Supervisor
 
@@ -97,11 +98,6 @@ def router_counter(metrics_url: str, name: str) -> float:
         text = httpx.get(metrics_url, timeout=5).text
     except httpx.HTTPError:
         return float("nan")
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
-
-
-def replica_gauge(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
@@ -209,6 +205,8 @@ class FaultRunner:
             rec.detail = f"SIGSTOP group {proc.pid}" + (f" for {fault.hold_secs:.0f}s" if fault.kind == "stop" else "")
         else:
             raise ValueError(f"fault kind {fault.kind!r}: expected one of {FAULT_KINDS}")
+        if held is not None and fault.kind in ("kill_engine", "kill_api"):
+            held.release()  # what survives the kill runs on, as after an unheld fault
         return rec, held
 
     def run(self) -> None:
@@ -377,7 +375,8 @@ def run_soak(fleet: Fleet, supervisor: Supervisor, *, schedule: list[Fault], unf
     runner.run()
     for rec in runner.records:
         log(f"fault {rec.fault.kind} on replica {rec.fault.replica}: {rec.detail}; "
-            f"recovered in {rec.recovery_secs if rec.recovery_secs is None else round(rec.recovery_secs, 1)}s")
+            f"recovered in {rec.recovery_secs if rec.recovery_secs is None else round(rec.recovery_secs, 1)}s; "
+            f"the stream held in flight: {rec.held}")
     faulted.run_for(tail_secs, lambda: faulted.completed() >= min_faulted_completed, phase_timeout)
     faulted.stop()
     seconds["faulted"] = time.monotonic() - t

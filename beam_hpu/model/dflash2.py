@@ -31,8 +31,10 @@ Where each fact comes from:
   soft-capped logits and their top-k as the selector's unary scores; `architectures`
   "DFlash2BeamDraftModel" maps to this class (upstream registry, per the project's REFERENCE.md);
 - vLLM 0.34 `dflash2/speculator.py` and `dflash/speculator.py`: block = bonus + N mask tokens at
-  the positions after the last accepted one, `dflash_config.mask_token_id`, rows 1..N predict
-  the token at their own position, the anchor of the selector is the bonus token;
+  the positions after the last accepted one, rows 1..N predict the token at their own position,
+  the anchor of the selector is the bonus token; the mask token is `dflash_config.mask_token_id`,
+  else the config's top-level `mask_token_id` (`spec_decode/utils.py`
+  `get_parallel_drafting_token_id`; `mask_token_id` here);
 - vLLM 0.34 `eagle3_utils.get_eagle3_aux_layers_from_config`: DFlash's target_layer_ids name
   layer outputs, vLLM's aux ids are those plus one (`target_aux_layer_ids`).
 Fields the AMD variant of the same upstream file reads (`input_embedding_scale`,
@@ -68,15 +70,41 @@ from beam_hpu.model.dflash2_ops import block_attention, greedy_walk, grouped_con
 from beam_hpu.model.ops import swiglu_fp32
 
 REQUIRED_DFLASH_KEYS = ("target_layer_ids", "conv_kernel_size", "conv_group_size", "selector_rank",
-                        "selector_top_k", "final_logit_softcapping", "mask_token_id")
+                        "selector_top_k", "final_logit_softcapping")
 UNIT_ONLY_KEYS = ("input_embedding_scale", "output_multiplier", "attention_value_scale")
+UNKNOWN_CONFIG_FILE = "the drafter's config.json"
 
 
 class DFlash2ConfigError(ValueError):
     pass
 
 
-def validate_dflash2_config(config: Any) -> None:
+def drafter_config_file(model_config: Any) -> str:
+    """The drafter's config.json as the launch named the drafter (a directory or a hub id), for errors."""
+    model = getattr(model_config, "model", None)
+    return f"{model}/config.json" if model else UNKNOWN_CONFIG_FILE
+
+
+def mask_token_id(config: Any, config_file: str = UNKNOWN_CONFIG_FILE) -> int:
+    """The token of a block's drafted rows: `dflash_config.mask_token_id`, else the config's top-level
+    `mask_token_id` (upstream's order; a null counts as absent). Every reader of the mask token
+    (the model, both proposers) asks here."""
+    dc = getattr(config, "dflash_config", None) or {}
+    value = dc.get("mask_token_id")
+    field = "dflash_config.mask_token_id"
+    if value is None:
+        value, field = getattr(config, "mask_token_id", None), "mask_token_id"
+    if value is None:
+        raise DFlash2ConfigError(f"DFlash2 drafter: {config_file} sets neither dflash_config.mask_token_id nor "
+                                 "a top-level mask_token_id (the token of the block's drafted rows)")
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(value, bool) or not isinstance(value, int) or (vocab is not None and not 0 <= value < vocab):
+        raise DFlash2ConfigError(f"DFlash2 drafter: {config_file} {field}={value!r} is not a token id of the "
+                                 f"drafter's vocabulary (0..{vocab - 1 if vocab else '?'})")
+    return value
+
+
+def validate_dflash2_config(config: Any, config_file: str = UNKNOWN_CONFIG_FILE) -> None:
     """Refuse a drafter config this module would serve wrongly, naming the field."""
     dc = getattr(config, "dflash_config", None)
     if not isinstance(dc, dict):
@@ -84,6 +112,7 @@ def validate_dflash2_config(config: Any) -> None:
     for key in REQUIRED_DFLASH_KEYS:
         if dc.get(key) is None:
             raise DFlash2ConfigError(f"DFlash2 drafter: dflash_config.{key} is missing")
+    mask_token_id(config, config_file)
     for key in UNIT_ONLY_KEYS:
         if float(dc.get(key, 1.0)) != 1.0:
             raise DFlash2ConfigError(f"DFlash2 drafter: dflash_config.{key}={dc[key]} is not supported (only 1)")
@@ -261,9 +290,10 @@ class DFlash2CandidateSelector(nn.Module):
 
 
 class DFlash2BeamModel(nn.Module):
-    def __init__(self, config: Any, start_layer_id: int = 0, prefix: str = "") -> None:
+    def __init__(self, config: Any, start_layer_id: int = 0, prefix: str = "",
+                 config_file: str = UNKNOWN_CONFIG_FILE) -> None:
         super().__init__()
-        validate_dflash2_config(config)
+        validate_dflash2_config(config, config_file)
         self.config = config
         n_states = len(config.dflash_config["target_layer_ids"])
         # Replaced by the target's embedding by the proposer (the checkpoint has none).
@@ -307,16 +337,20 @@ class DFlash2BeamForCausalLM(nn.Module):
         super().__init__()
         spec = getattr(vllm_config, "speculative_config", None)
         if spec is not None:
-            config = spec.draft_model_config.hf_config
+            model_config = spec.draft_model_config
             start = vllm_config.model_config.get_total_num_hidden_layers()
         else:
-            config, start = vllm_config.model_config.hf_config, 0
+            model_config, start = vllm_config.model_config, 0
+        config = model_config.hf_config
         self.config = config
-        self.model = DFlash2BeamModel(config, start_layer_id=start, prefix=maybe_prefix(prefix, "model"))
+        # The drafter's config.json as the launch named it: errors name it.
+        self.config_file = drafter_config_file(model_config)
+        self.model = DFlash2BeamModel(config, start_layer_id=start, prefix=maybe_prefix(prefix, "model"),
+                                      config_file=self.config_file)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.soft_cap = float(config.dflash_config["final_logit_softcapping"])
-        self.mask_token_id = int(config.dflash_config["mask_token_id"])
+        self.mask_token_id = mask_token_id(config, self.config_file)
 
     def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
         """[T, n * H] target states (aux ids in order) -> [T, H]."""

@@ -239,3 +239,29 @@ def test_plugin_registers_the_drafter_architecture(vllm_ready):
     beam_hpu._register_model()
     assert "DFlash2BeamDraftModel" in ModelRegistry.get_supported_archs()
     assert ModelRegistry._try_load_model_cls("DFlash2BeamDraftModel") is DFlash2BeamForCausalLM
+
+
+@pytest.mark.parametrize("in_dflash_config, top_level, expected", [(96, None, 96), (None, 95, 95), (96, 95, 96)])
+def test_mask_token_comes_from_dflash_config_else_the_top_level(vllm_ready, in_dflash_config, top_level, expected):
+    """Upstream's order: `dflash_config.mask_token_id`, else the config's own `mask_token_id`."""
+    cfg = _config(dflash_config={"mask_token_id": in_dflash_config})
+    if top_level is not None:
+        cfg.mask_token_id = top_level
+    assert _build(cfg).mask_token_id == expected
+
+
+def test_a_config_without_a_mask_token_is_refused_naming_both_fields_and_the_file(vllm_ready, tmp_path):
+    from beam_hpu.model.dflash2 import DFlash2BeamForCausalLM, DFlash2ConfigError
+
+    model_config = SimpleNamespace(hf_config=_config(dflash_config={"mask_token_id": None}), model=str(tmp_path))
+    with pytest.raises(DFlash2ConfigError) as e:
+        DFlash2BeamForCausalLM(vllm_config=SimpleNamespace(model_config=model_config))
+    message = str(e.value)
+    assert "dflash_config.mask_token_id" in message and "top-level mask_token_id" in message
+    assert f"{tmp_path}/config.json" in message
+    # an id outside the vocabulary (97 tokens) is refused naming the field it came from
+    cfg = _config(dflash_config={"mask_token_id": None})
+    cfg.mask_token_id = 97
+    with pytest.raises(DFlash2ConfigError, match=r"mask_token_id=97 is not a token id"):
+        _build(cfg)
+

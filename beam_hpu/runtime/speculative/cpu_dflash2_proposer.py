@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from beam_hpu.model.dflash2 import DFlash2Context
+from beam_hpu.model.dflash2 import DFlash2Context, drafter_config_file, mask_token_id
 from beam_hpu.runtime.speculative import dflash2_context
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -33,15 +33,18 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 class CpuDFlash2Proposer(DFlashProposer):
     def __init__(self, vllm_config, device: torch.device, runner=None):
+        # Resolved before the base, whose own lookup would refuse a config without either field
+        # with a message that names no file.
+        draft_model_config = vllm_config.speculative_config.draft_model_config
+        self.mask_token_id = mask_token_id(draft_model_config.hf_config, drafter_config_file(draft_model_config))
         # DFlashProposer.__init__ registers warmups of the Triton input kernel this class never
-        # calls; the base keeps the runner-facing state (buffers, parallel-drafting mask token).
+        # calls; the base keeps the runner-facing state (buffers).
         SpecDecodeBaseProposer.__init__(self, vllm_config=vllm_config, device=device,
                                         pass_hidden_states_to_model=True, runner=runner)
         self.runner = runner
         self.dflash_causal = False
         draft = self.draft_model_config.hf_config
         self.window: int | None = getattr(draft, "sliding_window", None)
-        self.mask_token_id = int(draft.dflash_config["mask_token_id"])
         self.contexts: dict[str, dflash2_context.RequestContext] = {}
 
     def _create_draft_vllm_config(self):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from beam_hpu.model.dflash2 import DFlash2ConfigError, target_aux_layer_ids
+from beam_hpu.model.dflash2 import DFlash2ConfigError, drafter_config_file, mask_token_id, target_aux_layer_ids
 from beam_hpu.runtime.speculative import dflash2_context
 from beam_hpu.runtime.speculative.dflash2_ring import ContextRing, SlotTable
 
@@ -75,6 +75,9 @@ class HpuDFlash2Proposer:
             raise DFlash2ConfigError("DFlash2 drafter: config.sliding_window is missing (the context ring on "
                                      "HPU is one window long a request)")
         self.window = int(draft.sliding_window)
+        # Refused here, before the drafter loads, when the config names no mask token; the step
+        # reads the drafter's own (the same function's answer).
+        mask_token_id(draft, drafter_config_file(spec.draft_model_config))
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         # The target's layers whose outputs the drafter reads (the runner asks for these).
         self.target_aux_layer_ids = tuple(target_aux_layer_ids(draft))

@@ -179,3 +179,19 @@ def test_only_a_beam_target_with_a_dflash2_beam_drafter_gets_the_proposer():
     assert not serves_beam_dflash2(config("beam", "dflash", "DFlashDraftModel"))
     assert not serves_beam_dflash2(config("beam", "eagle3", "DFlash2BeamDraftModel"))
     assert not serves_beam_dflash2(SimpleNamespace(model_config=None, speculative_config=None))
+
+
+def test_a_config_without_a_mask_token_is_refused_before_vllms_own_lookup(tmp_path):
+    """The proposer resolves the mask token (beam_hpu.model.dflash2.mask_token_id, the model's
+    function) first: a config with neither field is refused naming both and the file, not by
+    vLLM's parallel-drafting lookup, which names no file."""
+    from beam_hpu.model.dflash2 import DFlash2ConfigError
+    from beam_hpu.runtime.speculative.cpu_dflash2_proposer import CpuDFlash2Proposer
+
+    config = tiny_dflash2().config
+    neither = SimpleNamespace(**{**vars(config), "dflash_config": {
+        k: v for k, v in config.dflash_config.items() if k != "mask_token_id"}})
+    draft = SimpleNamespace(hf_config=neither, model=str(tmp_path))
+    with pytest.raises(DFlash2ConfigError) as e:
+        CpuDFlash2Proposer(SimpleNamespace(speculative_config=SimpleNamespace(draft_model_config=draft)), "cpu")
+    assert "top-level mask_token_id" in str(e.value) and f"{tmp_path}/config.json" in str(e.value)

@@ -252,3 +252,27 @@ def test_a_drafter_config_without_a_window_is_refused_naming_the_field():
     model = tiny_dflash2(sliding_window=None)
     with pytest.raises(DFlash2ConfigError, match="config.sliding_window is missing"):
         proposer(model)
+
+
+def test_a_top_level_mask_token_drafts_as_one_in_dflash_config_and_none_is_refused_naming_the_file(tmp_path):
+    """The proposer takes the mask token where the model does (dflash_config, else the config's top
+    level); a config with neither stops it before the drafter loads, naming both fields and the file."""
+    from beam_hpu.model.dflash2 import DFlash2ConfigError
+
+    model = tiny_dflash2()
+    dflash = {k: v for k, v in model.config.dflash_config.items() if k != "mask_token_id"}
+    moved = tiny_dflash2(dflash_config=dflash, mask_token_id=model.mask_token_id)
+    assert moved.mask_token_id == model.mask_token_id
+    width = model.model.fc.input_size
+    states = torch.randn(7, width, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        drafts = [prefill(proposer(m), Runner(["a"]), {"a": (0, states)}, {"a": 9}) for m in (model, moved)]
+    assert torch.equal(drafts[0], drafts[1])
+    neither = SimpleNamespace(**{k: v for k, v in vars(moved.config).items() if k != "mask_token_id"})
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=K, draft_model_config=SimpleNamespace(
+            hf_config=neither, model=str(tmp_path))),
+        model_config=SimpleNamespace(max_model_len=64), scheduler_config=SimpleNamespace(max_num_seqs=2))
+    with pytest.raises(DFlash2ConfigError) as e:
+        HpuDFlash2Proposer(config, "cpu")
+    assert "dflash_config.mask_token_id" in str(e.value) and f"{tmp_path}/config.json" in str(e.value)

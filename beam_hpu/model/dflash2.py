@@ -35,6 +35,9 @@ Where each fact comes from:
   the anchor of the selector is the bonus token; the mask token is `dflash_config.mask_token_id`,
   else the config's top-level `mask_token_id` (`spec_decode/utils.py`
   `get_parallel_drafting_token_id`; `mask_token_id` here);
+- vLLM's `AutoWeightsLoader`, which upstream's Beam DFlash2 loads through: it drops checkpoint
+  tensors named `rotary_pos_emb.inv_freq`, `rotary_emb.inv_freq`, `rotary_emb.cos_cached` and
+  `rotary_emb.sin_cached` (RoPE tables some trainers save; the layer recomputes them);
 - vLLM 0.34 `eagle3_utils.get_eagle3_aux_layers_from_config`: DFlash's target_layer_ids name
   layer outputs, vLLM's aux ids are those plus one (`target_aux_layer_ids`).
 Fields the AMD variant of the same upstream file reads (`input_embedding_scale`,
@@ -65,6 +68,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
 
+from beam_hpu.location import local_checkpoint_dir
 from beam_hpu.model.cpu_fused_norm import beam_rms_norm
 from beam_hpu.model.dflash2_ops import block_attention, greedy_walk, grouped_conv, score_edges
 from beam_hpu.model.ops import swiglu_fp32
@@ -72,6 +76,10 @@ from beam_hpu.model.ops import swiglu_fp32
 REQUIRED_DFLASH_KEYS = ("target_layer_ids", "conv_kernel_size", "conv_group_size", "selector_rank",
                         "selector_top_k", "final_logit_softcapping")
 UNIT_ONLY_KEYS = ("input_embedding_scale", "output_multiplier", "attention_value_scale")
+# Checkpoint tensors that are RoPE tables, not parameters: vLLM's AutoWeightsLoader (upstream's Beam
+# DFlash2 loader) drops every name containing one; the rotary layer computes its own.
+ROTARY_BUFFERS = ("rotary_pos_emb.inv_freq", "rotary_emb.inv_freq", "rotary_emb.cos_cached",
+                  "rotary_emb.sin_cached")
 UNKNOWN_CONFIG_FILE = "the drafter's config.json"
 
 
@@ -343,7 +351,8 @@ class DFlash2BeamForCausalLM(nn.Module):
             model_config, start = vllm_config.model_config, 0
         config = model_config.hf_config
         self.config = config
-        # The drafter's config.json as the launch named it: errors name it.
+        # Where the drafter's files are, as the launch named them: errors name its config and tensors' file.
+        self.checkpoint: str | None = getattr(model_config, "model", None)
         self.config_file = drafter_config_file(model_config)
         self.model = DFlash2BeamModel(config, start_layer_id=start, prefix=maybe_prefix(prefix, "model"),
                                       config_file=self.config_file)
@@ -395,27 +404,45 @@ class DFlash2BeamForCausalLM(nn.Module):
     ]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Published names (no `model.` prefix) -> this module's parameters; every name must land.
-        The embedding and LM head are the target's, so they count as loaded."""
+        """Published names (no `model.` prefix) -> this module's parameters. RoPE tables some
+        checkpoints carry (`ROTARY_BUFFERS`) are skipped, as upstream skips them; every other name
+        must land on a parameter. The embedding and LM head are the target's, so they count as loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
-            name = "model." + name.removeprefix("model.")
+        for ckpt_name, tensor in weights:
+            if any(buffer in ckpt_name for buffer in ROTARY_BUFFERS):
+                continue
+            name = "model." + ckpt_name.removeprefix("model.")
             for param_part, ckpt_part, shard in self.stacked_params_mapping:
                 if ckpt_part in name:
                     target = name.replace(ckpt_part, param_part)
-                    self._param(params, target, name).weight_loader(params[target], tensor, shard)
+                    self._param(params, target, ckpt_name).weight_loader(params[target], tensor, shard)
                     break
             else:
                 target = name
-                param = self._param(params, target, name)
+                param = self._param(params, target, ckpt_name)
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(target)
         return loaded | {"model.embed_tokens.weight", "lm_head.weight"}
 
-    @staticmethod
-    def _param(params: dict, target: str, ckpt_name: str) -> nn.Parameter:
+    def _param(self, params: dict, target: str, ckpt_name: str) -> nn.Parameter:
         if target not in params:
-            raise KeyError(f"DFlash2 drafter: checkpoint tensor {ckpt_name!r} has no parameter "
-                           f"(looked for {target!r})")
+            raise KeyError(f"DFlash2 drafter: checkpoint tensor {ckpt_name!r} in "
+                           f"{tensor_file(self.checkpoint, ckpt_name)} has no parameter (looked for {target!r})")
         return params[target]
+
+
+def tensor_file(checkpoint: str | None, name: str) -> str:
+    """The safetensors file of `checkpoint` (a directory, or a hub id in the local cache) that holds
+    tensor `name`, read from headers only; else what is known of where it came from."""
+    directory = local_checkpoint_dir(checkpoint)
+    if directory is None:
+        return f"the drafter checkpoint {checkpoint}" if checkpoint else "the drafter checkpoint"
+    from safetensors import safe_open
+
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+        if name in keys:
+            return str(path)
+    return f"the drafter checkpoint {directory}"

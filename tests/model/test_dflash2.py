@@ -265,3 +265,49 @@ def test_a_config_without_a_mask_token_is_refused_naming_both_fields_and_the_fil
     with pytest.raises(DFlash2ConfigError, match=r"mask_token_id=97 is not a token id"):
         _build(cfg)
 
+
+def _tiny_checkpoint(out, extra: dict[str, torch.Tensor] | None = None):
+    """A drafter written by the project's own writer (`write_dflash2`), `extra` tensors added to its file."""
+    from safetensors.torch import load_file, save_file
+
+    from beam_hpu.tiny.dflash2_drafter import WEIGHTS_FILE, init_drafter, write_dflash2
+
+    write_dflash2(out, init_drafter(seed=0), {"note": "test"})
+    if extra:
+        path = str(out / WEIGHTS_FILE)
+        save_file({**load_file(path), **extra}, path)
+    return out
+
+
+def test_rotary_tables_in_a_checkpoint_are_skipped_and_it_drafts_the_same(vllm_ready, tmp_path):
+    """RoPE tables some trainers save (upstream's loader drops them by name) load as nothing: the
+    drafter built from that checkpoint computes what the plain one computes, drafts included."""
+    from tests.support.dflash2_served import drafter_case, drafter_outputs, tiny_dflash2
+
+    head_dim = 32
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    tables = {"layers.0.self_attn.rotary_emb.inv_freq": inv_freq,
+              "model.layers.1.self_attn.rotary_emb.inv_freq": inv_freq,
+              "layers.1.self_attn.rotary_emb.cos_cached": torch.ones(8, head_dim),
+              "layers.1.self_attn.rotary_emb.sin_cached": torch.zeros(8, head_dim)}
+    plain = tiny_dflash2(directory=_tiny_checkpoint(tmp_path / "plain"))
+    with_tables = tiny_dflash2(directory=_tiny_checkpoint(tmp_path / "tables", tables))
+    case = drafter_case(plain)
+    expected, got = drafter_outputs(plain, case), drafter_outputs(with_tables, case)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+@pytest.mark.parametrize("name", ["layers.0.self_attn.gate_proj.weight", "layers.0.self_attn.q_proj.bias",
+                                  "layers.0.self_attn.rotary_emb.scale"])
+def test_an_unknown_checkpoint_weight_is_refused_naming_it_and_its_file(vllm_ready, tmp_path, name):
+    """A tensor the drafter has no parameter for (a bias upstream's loader would drop unread among
+    them) stops the load, naming the tensor and the file that holds it."""
+    from beam_hpu.tiny.dflash2_drafter import WEIGHTS_FILE
+    from tests.support.dflash2_served import tiny_dflash2
+
+    directory = _tiny_checkpoint(tmp_path, {name: torch.zeros(4)})
+    with pytest.raises(KeyError) as e:
+        tiny_dflash2(directory=directory)
+    assert repr(name) in str(e.value) and str(directory / WEIGHTS_FILE) in str(e.value)

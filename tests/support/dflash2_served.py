@@ -27,20 +27,23 @@ def one_rank() -> None:
         initialize_model_parallel(1, 1)
 
 
-def tiny_dflash2(seed: int = 0, *, torch_dtype: torch.dtype = torch.float32, **config_changes):
-    """The committed drafter's weights by their published names, a random embedding and LM head
-    (the target's, in serving), vLLM's post-load step run. Built in `torch_dtype` as vLLM builds a
-    model in its dtype (the default dtype while the layers are made, weights cast on loading)."""
+def tiny_dflash2(seed: int = 0, *, torch_dtype: torch.dtype = torch.float32, directory: Path = DFLASH2_DIR,
+                 **config_changes):
+    """The committed drafter's weights (or those `write_dflash2` put in `directory`) by their
+    published names, a random embedding and LM head (the target's, in serving), vLLM's post-load step
+    run. Built in `torch_dtype` as vLLM builds a model in its dtype (the default dtype while the
+    layers are made, weights cast on loading); its model config names `directory`, as vLLM's does."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from beam_hpu.model.dflash2 import DFlash2BeamForCausalLM
 
     one_rank()
-    config = SimpleNamespace(**{**json.loads((DFLASH2_DIR / "config.json").read_text()), **config_changes})
+    config = SimpleNamespace(**{**json.loads((Path(directory) / "config.json").read_text()), **config_changes})
+    model_config = SimpleNamespace(hf_config=config, model=str(directory))
     with set_default_torch_dtype(torch_dtype):
-        model = DFlash2BeamForCausalLM(vllm_config=SimpleNamespace(model_config=SimpleNamespace(hf_config=config)))
-    model.load_weights(read_dflash2(DFLASH2_DIR).items())
+        model = DFlash2BeamForCausalLM(vllm_config=SimpleNamespace(model_config=model_config))
+    model.load_weights(read_dflash2(directory).items())
     g = torch.Generator().manual_seed(seed)
     for weight in (model.model.embed_tokens.weight, model.lm_head.weight):
         weight.data.copy_(torch.randn(weight.shape, generator=g) / config.hidden_size**0.5)

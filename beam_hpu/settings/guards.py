@@ -23,6 +23,7 @@ from typing import Any
 
 from beam_hpu.location import local_checkpoint_dir
 from beam_hpu.names import DRAFT_ARCH, LOAD_FORMAT, MODEL_TYPE, PARSER
+from beam_hpu.settings import speculative_options
 from beam_hpu.settings.switches import SWITCHES, SwitchError, read_switches
 
 # FusedSDPA with an unbounded workspace ran out of device memory from this much context on.
@@ -250,6 +251,14 @@ def _dflash_on_hpu(launch: Launch, config: Any) -> list[str]:
     return problems
 
 
+def _drafter_architectures(model: Any) -> list[str] | None:
+    """The `architectures` of a drafter's config.json where it is on this host; None where it is not."""
+    try:
+        return json.loads((local_checkpoint_dir(model) / "config.json").read_text()).get("architectures") or []
+    except (TypeError, OSError, ValueError, AttributeError):
+        return None
+
+
 def dflash_drafter(launch: Launch) -> list[str]:
     """`"method": "dflash"` on a Beam target only with Beam's DFlash2 drafter: the port's proposers
     (runtime patch cpu-dflash2-proposer, on HPU unit beam-dflash2-proposer) draft with
@@ -262,10 +271,8 @@ def dflash_drafter(launch: Launch) -> list[str]:
     if not config or _speculative_method(config) != "dflash":
         return []
     model = _speculative_field(config, "model")
-    directory = local_checkpoint_dir(model)
-    try:
-        architectures = json.loads((directory / "config.json").read_text()).get("architectures") or []
-    except (TypeError, OSError, ValueError, AttributeError):
+    architectures = _drafter_architectures(model)
+    if architectures is None:
         return [f"--speculative-config model {model!r}: method 'dflash' needs Beam's DFlash2 drafter, and its "
                 "config.json is not on this host to check (give a local directory or download it first)"]
     if DRAFT_ARCH not in architectures:
@@ -274,10 +281,54 @@ def dflash_drafter(launch: Launch) -> list[str]:
     return []
 
 
+def _speculative_settings(config: Any) -> dict[str, Any] | None:
+    """--speculative-config as vLLM reads its keys (EngineArgs.create_speculative_config: a dash
+    is an underscore); None when it is not a mapping or JSON text of one."""
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError:
+            return None
+    if not isinstance(config, Mapping):
+        return None
+    return {str(key).replace("-", "_"): value for key, value in config.items()}
+
+
+def dflash2_options(launch: Launch) -> list[str]:
+    """A --speculative-config key Beam's DFlash2 path does not read on this device, set to anything
+    but what the path does anyway: refused naming the key and what is supported, instead of served
+    as if it were not there. `beam_hpu.settings.speculative_options` holds, key by key, who reads
+    what (on both devices: draft_sample_method 'probabilistic', rejection_sample_method 'block', the
+    drafter build options, other methods' options; on HPU also the ones vLLM's V1 runner reads on
+    CPU but vllm-gaudi does not). For a Beam target (a launch the guards see; a target whose
+    config.json names another model type is left to vLLM) with Beam's DFlash2 drafter (another
+    drafter is rule dflash_drafter's)."""
+    settings = _speculative_settings(launch.arg("speculative_config"))
+    if not settings or settings.get("method") != "dflash":
+        return []
+    if DRAFT_ARCH not in (_drafter_architectures(settings.get("model")) or []):
+        return []
+    model_type = _model_type_on_disk(launch.arg("model") or launch.arg("model_tag"))
+    if model_type is not None and model_type != MODEL_TYPE:
+        return []
+    options = speculative_options.options_by_key()
+    problems = []
+    for key, value in settings.items():
+        option = options.get(key)
+        if option is None or launch.device_type not in option.refused_on:
+            continue
+        if value == option.default or value in option.also_accepted(launch.arg):
+            continue
+        where = " on HPU" if option.refused_on == speculative_options.HPU else ""
+        problems.append(f"--speculative-config {key} {value!r} with Beam's DFlash2 drafter{where}: {option.why}; "
+                        f"supported: {option.supported}")
+    return problems
+
+
 RULES: list[Callable[[Launch], list[str]]] = [
     forbidden_variables, merged_prefill, unbounded_fsdpa_workspace, eager_on_hpu, mixed_parsers,
     openai_content_format, data_parallel_on_cpu,
-    speculation_on_hpu, dflash_drafter,
+    speculation_on_hpu, dflash_drafter, dflash2_options,
 ]
 
 

@@ -14,7 +14,8 @@ rows, the k + 1 lookahead slots) and replaces what DFlash v1 does with them:
   accepted token, non-causal, over that context;
 - the candidate selector's greedy walk over each drafted row's top-k (`draft_greedy`).
 
-Every request drafts the greedy walk; drafts go to verification as point masses (no draft
+Every request drafts the greedy walk (the startup guard refuses `draft_sample_method:
+probabilistic`, rule dflash2_options); drafts go to verification as point masses (no draft
 probabilities), so vLLM's rejection sampling keeps sampled requests exact in distribution.
 """
 

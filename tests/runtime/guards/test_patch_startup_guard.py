@@ -71,3 +71,26 @@ def test_engine_start_refuses_a_forbidden_environment(tiny_fp32):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "PT_HPU_SDPA_QKV_SLICE_MODE_FWD is set" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_vllm_serve_refuses_an_option_the_dflash2_path_does_not_read():
+    """A real `vllm serve` of the tiny trained Beam with its DFlash2 drafter and
+    `draft_sample_method: "probabilistic"` (the walk is greedy): vLLM's own SpeculativeConfig takes
+    the key, so only the port's guard stops it; it must exit before the engine starts, naming it."""
+    import json
+
+    from beam_hpu.demo.serve import serve_command, serve_env
+    from beam_hpu.tiny.checkpoint import TRAINED_DIR
+    from beam_hpu.tiny.dflash2_drafter import speculative_config
+
+    config = {**json.loads(speculative_config()), "draft_sample_method": "probabilistic"}
+    cmd = serve_command(TRAINED_DIR, port=1, extra=["--speculative-config", json.dumps(config)])
+    env = serve_env(1)
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "the Beam port refuses to start" in out, out[-3000:]
+    assert "--speculative-config draft_sample_method 'probabilistic' with Beam's DFlash2 drafter" in out
+    assert "Starting vLLM server" not in out and "EngineCore" not in out

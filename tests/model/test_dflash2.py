@@ -275,7 +275,8 @@ def _tiny_checkpoint(out, extra: dict[str, torch.Tensor] | None = None):
     write_dflash2(out, init_drafter(seed=0), {"note": "test"})
     if extra:
         path = str(out / WEIGHTS_FILE)
-        save_file({**load_file(path), **extra}, path)
+        tensors = {name: t.clone() for name, t in load_file(path).items()}  # nothing left mapped from the file
+        save_file({**tensors, **extra}, path)
     return out
 
 
@@ -287,7 +288,7 @@ def test_rotary_tables_in_a_checkpoint_are_skipped_and_it_drafts_the_same(vllm_r
     head_dim = 32
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
     tables = {"layers.0.self_attn.rotary_emb.inv_freq": inv_freq,
-              "model.layers.1.self_attn.rotary_emb.inv_freq": inv_freq,
+              "model.layers.1.self_attn.rotary_emb.inv_freq": inv_freq.clone(),
               "layers.1.self_attn.rotary_emb.cos_cached": torch.ones(8, head_dim),
               "layers.1.self_attn.rotary_emb.sin_cached": torch.zeros(8, head_dim)}
     plain = tiny_dflash2(directory=_tiny_checkpoint(tmp_path / "plain"))

@@ -126,3 +126,46 @@ class FusedRMSNorm:
         x = data_in.float()
         rms = torch.sqrt(x.square().mean(dim=-1, keepdim=True) + eps)
         return (x * gamma.float() / rms).to(data_in.dtype)
+
+
+def _moe_activation(name: str):
+    """habana_eager/ops/mixture_of_experts.cpp, `get_activation_fn`: gelu, relu or silu."""
+    functions = {"gelu": torch.nn.functional.gelu, "relu": torch.nn.functional.relu, "silu": torch.nn.functional.silu}
+    if name not in functions:
+        raise ValueError(f"mixture_of_experts: unsupported activation {name!r}")
+    return functions[name]
+
+
+def mixture_of_experts_fused_weights(hidden_states, expert_routing_table, router_weights, w12, w3,
+                                     permuted_weights: bool, activation: str, experts_min: int, experts_max: int,
+                                     chunk_size: int = 0, total_experts: int = 0):
+    """torch.ops.hpu.mixture_of_experts.fused_weights (the overload a call naming `w12` and no
+    scales resolves to) as the bridge's eager decomposition computes it (habana_eager/ops/
+    mixture_of_experts.cpp: `mixture_of_experts_fused_weights`, which splits each w12 with
+    `split_weights_tensor` and runs `mixture_of_experts_common`): each w12 split in halves (dim 0
+    when `permuted_weights`, the weights then [out, in] and transposed for the product), the gate
+    half w1 and the up half w2; for every local expert in list order, act(x @ w1) * (x @ w2) @ w3,
+    times the token's router weight for that expert (zero when it did not route there), added into
+    a sum of hidden_states' dtype and shape. Every product and the sum stay in the inputs' dtype
+    (bf16 when serving). The decomposition scatters the router weights at the routing table's ids
+    as given (column = global id, right for experts_min = 0); this stand-in takes column
+    id - experts_min and drops ids outside [experts_min, experts_max], the documented meaning under
+    expert parallelism. chunk_size and total_experts tune the kernel's tiling, not its result."""
+    act = _moe_activation(activation)
+    tokens = hidden_states.shape[0]
+    local = len(w12)
+    if experts_max - experts_min + 1 != local or len(w3) != local:
+        raise ValueError(f"mixture_of_experts: {len(w12)} w12 and {len(w3)} w3 for experts "
+                         f"{experts_min}..{experts_max}")
+    padded = torch.zeros(tokens, local, dtype=router_weights.dtype)
+    in_range = (expert_routing_table >= experts_min) & (expert_routing_table <= experts_max)
+    padded.scatter_(1, torch.where(in_range, expert_routing_table - experts_min, 0),
+                    torch.where(in_range, router_weights, torch.zeros_like(router_weights)))
+    out = torch.zeros_like(hidden_states)
+    for e in range(local):
+        w1, w2 = w12[e].chunk(2, dim=0 if permuted_weights else 1)
+        down = w3[e]
+        if permuted_weights:
+            w1, w2, down = w1.t(), w2.t(), down.t()
+        out += ((act(hidden_states @ w1) * (hidden_states @ w2)) @ down) * padded[:, e:e + 1]
+    return out

@@ -68,3 +68,40 @@ def install():
 
     vllm_gaudi.register_ops()
     return platform
+
+
+class HpuOps:
+    """torch.ops.hpu in a tree child: the stand-ins of habana_ops.py by op name, every other name
+    an AttributeError naming the op (what a missing op is, so vllm-gaudi's own fallbacks behave as
+    without it), and each such name kept in `missing`, so a test can tell which ops its forward
+    asked for and found no stand-in for."""
+
+    def __init__(self, **ops):
+        self._ops = ops
+        self.missing: list[str] = []
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._ops:
+            self.missing.append(name)
+            raise AttributeError(f"torch.ops.hpu.{name}: no stand-in in tests/support/gaudi/habana_ops.py")
+        return self._ops[name]
+
+
+def _mixture_of_experts(**kwargs):
+    """torch.ops.hpu.mixture_of_experts, the overload picked by the call's argument names: only
+    `fused_weights` (w12 and w3, no scales) is stood in."""
+    from tests.support.gaudi import habana_ops
+
+    if "w12" not in kwargs or any(k.startswith("d_scale") or k.endswith("_bias") for k in kwargs):
+        raise NotImplementedError(f"torch.ops.hpu.mixture_of_experts with arguments {sorted(kwargs)}: "
+                                  "no stand-in for that overload")
+    return habana_ops.mixture_of_experts_fused_weights(**kwargs)
+
+
+def install_hpu_ops() -> HpuOps:
+    import torch
+
+    torch.ops.hpu = HpuOps(mixture_of_experts=_mixture_of_experts)
+    return torch.ops.hpu

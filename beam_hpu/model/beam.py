@@ -214,6 +214,10 @@ class BeamAttention(nn.Module):
         param.data.copy_(per_head.repeat_interleave(self.head_dim).to(param.dtype))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ssmax_scale: torch.Tensor) -> torch.Tensor:
+        # vllm-gaudi hands a prompt batch as [B, S, H] (positions [B, S]) unless the model type is in
+        # its flatten_input list, which Beam's is not; rows are rows here, so take them flat.
+        lead = x.shape[:-1]
+        x, positions = x.reshape(-1, x.shape[-1]), positions.reshape(-1)
         T = x.shape[0]
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -227,7 +231,7 @@ class BeamAttention(nn.Module):
         gate, _ = self.gate_proj(x)  # [T, Nq*D], per-head bias included
         out = out * torch.sigmoid(gate)
         out, _ = self.o_proj(out)
-        return out
+        return out.view(*lead, out.shape[-1])
 
 
 class BeamDecoderLayer(nn.Module):
@@ -310,7 +314,8 @@ class BeamModel(nn.Module, EagleModelMixin):
             residual = None
         else:
             h, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        ssmax_scale = ssmax_query_scale(positions)  # once per step, shared by every NoPE layer
+        # Once per step, shared by every NoPE layer; [T, 1, 1] for the layers' flat rows.
+        ssmax_scale = ssmax_query_scale(positions.reshape(-1))
         # Auxiliary states for EAGLE3/DFlash drafters. vLLM numbers them as its Llama does: id 0 is
         # the embedding, id i the stream after decoder layer i - 1 (= the input of layer i), i.e.
         # transformers' `output_hidden_states[i]` (that tuple starts with the embeddings), so

@@ -88,7 +88,10 @@ with bl.TreeCalls(ROOT) as calls:
     out = bl.replay(model, case["inputs"], config)
     logits = bl.logits(model, case["ids"], case["positions"], config)
 mock_calls = sorted({str(c).split("(")[0] for stub in stubs for c in stub.mock_calls})
-torch.save({"out": out, "logits": logits, "routing": routing.calls, "missing": hpu_ops.missing,
+routed = list(routing.calls)
+# The layout vllm-gaudi's adapter hands Beam a prompt in ([B, S]: Beam is not a flatten_input model)
+batched = bl.logits(model, case["ids"][None], case["positions"][None], config)
+torch.save({"out": out, "logits": logits, "batched": batched, "routing": routed, "missing": hpu_ops.missing,
             "bridged": bridged, "reached": bl.reached(model), "tree_calls": sorted(calls.seen),
             "mock_calls": mock_calls, "shared_rope": bl.shared_rope(model), "eps": bl.norm_eps(model)}, OUT)
 print("done")
@@ -233,6 +236,12 @@ def test_routing_on_the_tree_is_vllm_cpus(on_tree, on_cpu):
         if k < 8:
             torch.testing.assert_close(tw.float().gather(-1, t_order.indices),
                                        cw.float().gather(-1, c_order.indices))
+
+
+def test_the_tree_takes_a_prompt_in_the_adapters_layout(on_tree):
+    """input_ids and positions [1, S], as HpuModelAdapter passes them for Beam: the same logits as
+    the flat [S] run on the same layers."""
+    torch.testing.assert_close(on_tree["batched"], on_tree["logits"], atol=0, rtol=0)
 
 
 def test_the_whole_model_on_the_tree_decides_as_on_vllm_cpu(on_tree, on_cpu):

@@ -167,7 +167,8 @@ def replay(model, inputs: dict, vllm_config) -> dict:
 @torch.no_grad()
 def logits(model, ids: torch.Tensor, positions: torch.Tensor, vllm_config) -> torch.Tensor:
     with forward_context(vllm_config):
-        return model.compute_logits(model(ids, positions)).float()
+        hidden = model(ids, positions)
+        return model.compute_logits(hidden.reshape(-1, hidden.shape[-1])).float()
 
 
 def reached(model) -> dict[str, str]:

@@ -69,10 +69,16 @@ ON_THE_TREE = r'''
 import os
 from tests.support.gaudi.beam_layers import TREE_ENV
 os.environ.update(TREE_ENV)
+import sys, torch
+# What the tree asks the bridge while it builds, answered as on the node (a Gaudi 2, lazy mode)
+# instead of by a MagicMock's truthiness or identity.
+import habana_frameworks.torch.utils.experimental as htexp
+import habana_frameworks.torch.utils.internal as htinternal
+htexp._get_device_type.return_value = htexp.synDeviceType.synDeviceGaudi2
+htinternal.is_lazy.return_value = True
 from tests.support.gaudi import hpu_layers
 hpu_layers.install()
 hpu_ops = hpu_layers.install_hpu_ops()
-import sys, torch
 from tests.support.gaudi import beam_layers as bl
 bridged = bl.bridge_vllm_gaps()
 from vllm.config import VllmConfig
@@ -82,6 +88,7 @@ bl.without_attention_backend(model)
 case = torch.load(CASE)
 routing = bl.RoutingTrace(model)
 stubs = [sys.modules["habana_frameworks"], torch.hpu]
+build_mock_calls = sorted({str(c).split("(")[0] for stub in stubs for c in stub.mock_calls})
 for stub in stubs:
     stub.reset_mock()
 with bl.TreeCalls(ROOT) as calls:
@@ -91,7 +98,7 @@ mock_calls = sorted({str(c).split("(")[0] for stub in stubs for c in stub.mock_c
 routed = list(routing.calls)
 # The layout vllm-gaudi's adapter hands Beam a prompt in ([B, S]: Beam is not a flatten_input model)
 batched = bl.logits(model, case["ids"][None], case["positions"][None], config)
-torch.save({"out": out, "logits": logits, "batched": batched, "routing": routed, "missing": hpu_ops.missing,
+torch.save({"out": out, "logits": logits, "batched": batched, "routing": routed, "build_mock_calls": build_mock_calls, "missing": hpu_ops.missing,
             "bridged": bridged, "reached": bl.reached(model), "tree_calls": sorted(calls.seen),
             "mock_calls": mock_calls, "shared_rope": bl.shared_rope(model), "eps": bl.norm_eps(model)}, OUT)
 print("done")
@@ -187,8 +194,15 @@ def test_one_rope_module_serves_every_sliding_layer(on_tree):
 
 
 def test_no_habana_op_without_a_stand_in_and_no_mock_result(on_tree):
+    """The forward asks the Habana mocks nothing whose answer it reads; building, the tree asks the
+    device type (extension/ops.py: is_hpu_gaudi2, read by its FP8 paths) and the bridge mode, both
+    pinned to the node's answers above, and synchronizes."""
     assert on_tree["missing"] == []
     assert {c.rsplit(".", 1)[-1] for c in on_tree["mock_calls"]} <= UNREAD_MOCK_CALLS, on_tree["mock_calls"]
+    assert on_tree["build_mock_calls"] == [
+        "call.synchronize", "call.torch.utils.experimental._get_device_type",
+        "call.torch.utils.experimental.synDeviceType.synDeviceGaudi2.__eq__",
+        "call.torch.utils.experimental.synDeviceType.synDeviceGaudi3.__eq__", "call.torch.utils.internal.is_lazy"]
 
 
 def _bound(name: str) -> tuple[float, float] | None:

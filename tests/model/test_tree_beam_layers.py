@@ -9,6 +9,10 @@ own loader from the committed checkpoint (tests/support/gaudi/beam_layers.py). E
 kernel is replaced on both sides by the same plain causal window attention: the attention backend is
 not under test here.
 
+The whole model also runs in the layout vllm-gaudi's model adapter hands Beam a prompt in
+(input_ids and positions [1, S]), and with the adapter's own cos/sin protocol (its methods, from the
+runner file): the first RotaryEmbedding it finds prepared once from the step's positions.
+
 Here the model runs once on a prompt and every compared module's inputs are kept; both sides then
 call each module on exactly those inputs, so a module's difference is its own. The whole model also
 runs on both sides, its logits compared.
@@ -98,7 +102,26 @@ mock_calls = sorted({str(c).split("(")[0] for stub in stubs for c in stub.mock_c
 routed = list(routing.calls)
 # The layout vllm-gaudi's adapter hands Beam a prompt in ([B, S]: Beam is not a flatten_input model)
 batched = bl.logits(model, case["ids"][None], case["positions"][None], config)
-torch.save({"out": out, "logits": logits, "batched": batched, "routing": routed, "build_mock_calls": build_mock_calls, "missing": hpu_ops.missing,
+# The model adapter's cos/sin protocol, with its own methods (HpuModelAdapter in the runner file,
+# which vLLM 0.30.0 cannot import whole): it finds the first RotaryEmbedding in the model, prepares
+# its cos/sin from the step's positions before the forward (VLLM_COS_SIN_RECOMPUTE off, the
+# default), and drops them after.
+from pathlib import Path
+from types import SimpleNamespace
+from tests.support.gaudi.source import RUNNER, load
+runner = Path(ROOT) / RUNNER
+adapter = SimpleNamespace(recompute_cos_sin=False)
+find = load(runner, "_get_rotary_embedding_module", "HpuModelAdapter")
+adapter._get_rotary_embedding_module = lambda m: find(adapter, m)
+adapter._rotary_embed_module = adapter._get_rotary_embedding_module(model)
+prepare = load(runner, "_get_prepare_cos_sin", "HpuModelAdapter")(adapter)
+prepare(case["positions"][None], recompute_cos_sin=adapter.recompute_cos_sin)
+prepared = bl.logits(model, case["ids"][None], case["positions"][None], config)
+load(runner, "_reset_rotary_cos_sin", "HpuModelAdapter")(adapter)
+adapter_rope = [i for i, layer in enumerate(model.model.layers)
+                if getattr(layer.self_attn, "rotary_emb", None) is adapter._rotary_embed_module]
+torch.save({"out": out, "logits": logits, "batched": batched, "routing": routed, "build_mock_calls": build_mock_calls,
+            "prepared": prepared, "adapter_rope": adapter_rope, "missing": hpu_ops.missing,
             "bridged": bridged, "reached": bl.reached(model), "tree_calls": sorted(calls.seen),
             "mock_calls": mock_calls, "shared_rope": bl.shared_rope(model), "eps": bl.norm_eps(model)}, OUT)
 print("done")
@@ -189,8 +212,10 @@ def test_every_norm_keeps_its_depth_scaled_eps(on_tree, on_cpu):
 
 def test_one_rope_module_serves_every_sliding_layer(on_tree):
     """vllm-gaudi's model adapter prepares cos/sin once per step on the first RotaryEmbedding it
-    finds; Beam's sliding layers share one (get_rope's cache), so that one serves them all."""
-    assert on_tree["shared_rope"] == [0, 1, 3]
+    finds; Beam's sliding layers share one (get_rope's cache), so the one it finds serves them all,
+    and the model's logits with the adapter's prepared cos/sin are those computed per call."""
+    assert on_tree["shared_rope"] == on_tree["adapter_rope"] == [0, 1, 3]
+    torch.testing.assert_close(on_tree["prepared"], on_tree["logits"], atol=0, rtol=0)
 
 
 def test_no_habana_op_without_a_stand_in_and_no_mock_result(on_tree):

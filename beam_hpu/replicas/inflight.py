@@ -175,3 +175,18 @@ def hold_stream(fleet: Fleet, base_url: str, case: Case, replicas: list[int], *,
             for pid in pids:
                 _signal(pid, signal.SIGCONT)
     return held
+
+
+def hold_stream_retrying(fleet: Fleet, base_url: str, case: Case, replicas: list[int], attempts: int = 3,
+                         log=print, **kw) -> HeldStream:
+    """hold_stream, with a fresh stream when one ended before it was held (StreamEnded, said in the
+    log): a fault still lands only on a stream proven unfinished; after `attempts` the last
+    StreamEnded is raised."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return hold_stream(fleet, base_url, case, replicas, **kw)
+        except StreamEnded as e:
+            log(f"hold attempt {attempt} of {attempts}: {e}")
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")

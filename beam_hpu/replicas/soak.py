@@ -30,7 +30,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from beam_hpu.replicas import procs
-from beam_hpu.replicas.inflight import HeldStream, held_case, hold_stream
+from beam_hpu.replicas.inflight import HeldStream, held_case, hold_stream_retrying
 from beam_hpu.replicas.metrics import replica_gauge
 from beam_hpu.replicas.soak_load import Case, Outcome, cases, send
 from beam_hpu.replicas.supervisor import Fleet, Supervisor
@@ -185,8 +185,8 @@ class FaultRunner:
         proc = self.fleet.replica_procs[fault.replica]
         held, why = None, ""
         try:
-            held = hold_stream(self.fleet, self.fleet.layout.replicas[fault.replica].url,
-                               held_case(HELD_TOKENS, f"held-{fault.kind}"), [fault.replica])
+            held = hold_stream_retrying(self.fleet, self.fleet.layout.replicas[fault.replica].url,
+                                        held_case(HELD_TOKENS, f"held-{fault.kind}"), [fault.replica])
         except AssertionError as e:
             why = f"no stream held: {e}"
         rec = FaultRecord(fault, time.monotonic(), held=why)

@@ -26,7 +26,7 @@ import pytest
 
 from beam_hpu.demo.serve import SERVED_NAME
 from beam_hpu.replicas import procs
-from beam_hpu.replicas.inflight import StreamEnded, held_case, hold_stream
+from beam_hpu.replicas.inflight import StreamEnded, held_case, hold_stream, hold_stream_retrying
 from beam_hpu.replicas.layout import RouterSettings, plan
 from beam_hpu.replicas.restart import RestartPolicy
 from beam_hpu.replicas.soak import (counts, default_schedule, mismatches, report, router_counter, router_view,
@@ -115,7 +115,7 @@ def test_engine_death_mid_stream(fleet):
     wait_fleet_healthy(fleet)
     retries = router_counter(fleet.metrics_url, "vllm_router_retries_total")
     old = dict(fleet.replica_procs)
-    held = hold_stream(fleet, fleet.layout.router_url, ENDLESS, [0, 1])
+    held = hold_stream_retrying(fleet, fleet.layout.router_url, ENDLESS, [0, 1])
     after, a = kill_held_engine(held), held.replica
     assert_error_event_then_done(after)
     nexts = [send(fleet.layout.router_url, SHORT, deadline=60) for _ in range(4)]
@@ -126,7 +126,7 @@ def test_engine_death_mid_stream(fleet):
 
     b = 1 - a
     url = fleet.layout.replicas[b].url
-    after = kill_held_engine(hold_stream(fleet, url, ENDLESS, [b]))
+    after = kill_held_engine(hold_stream_retrying(fleet, url, ENDLESS, [b]))
     assert_error_event_then_done(after)
     # The API server exits by itself (its watchdog, VLLM_KEEP_ALIVE_ON_ENGINE_DEATH unset): the next
     # request to it finds no server (or, in the moment before it exits, HTTP 500/503).

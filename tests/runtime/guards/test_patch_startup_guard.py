@@ -40,22 +40,28 @@ def test_install_wraps_once_and_only_imported_modules(monkeypatch):
     assert calls[-1] == ("config", "ctx")
 
 
+def serve_refused(model_dir, extra) -> str:
+    """A real `vllm serve` of `model_dir` with `extra` flags, which must exit non-zero before the
+    engine starts, with the port's refusal; what it printed."""
+    from beam_hpu.demo.serve import serve_command, serve_env
+
+    env = serve_env(1)
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(serve_command(model_dir, port=1, extra=extra), env=env, capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "the Beam port refuses to start" in out, out[-3000:]
+    assert "Starting vLLM server" not in out and "EngineCore" not in out
+    return out
+
+
 @pytest.mark.slow
 def test_vllm_serve_refuses_a_forbidden_launch(tiny_fp32):
     """A real `vllm serve` of a tiny Beam with the recipe's "What not to do" flags: it must exit
     non-zero before the engine starts, naming both culprits."""
-    from beam_hpu.demo.serve import serve_command, serve_env
-
-    cmd = serve_command(tiny_fp32, port=1, extra=["--chat-template-content-format", "openai",
-                                                  "--tool-call-parser", "hermes"])
-    env = serve_env(1)
-    env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert "the Beam port refuses to start" in out, out[-3000:]
+    out = serve_refused(tiny_fp32, ["--chat-template-content-format", "openai", "--tool-call-parser", "hermes"])
     assert "--chat-template-content-format openai" in out and "--tool-call-parser hermes" in out
-    assert "Starting vLLM server" not in out and "EngineCore" not in out
 
 
 @pytest.mark.slow
@@ -80,17 +86,9 @@ def test_vllm_serve_refuses_an_option_the_dflash2_path_does_not_read():
     the key, so only the port's guard stops it; it must exit before the engine starts, naming it."""
     import json
 
-    from beam_hpu.demo.serve import serve_command, serve_env
     from beam_hpu.tiny.checkpoint import TRAINED_DIR
     from beam_hpu.tiny.dflash2_drafter import speculative_config
 
     config = {**json.loads(speculative_config()), "draft_sample_method": "probabilistic"}
-    cmd = serve_command(TRAINED_DIR, port=1, extra=["--speculative-config", json.dumps(config)])
-    env = serve_env(1)
-    env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert "the Beam port refuses to start" in out, out[-3000:]
+    out = serve_refused(TRAINED_DIR, ["--speculative-config", json.dumps(config)])
     assert "--speculative-config draft_sample_method 'probabilistic' with Beam's DFlash2 drafter" in out
-    assert "Starting vLLM server" not in out and "EngineCore" not in out

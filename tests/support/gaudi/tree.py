@@ -105,8 +105,16 @@ def run_stubbed(root: Path, body: str, timeout: int = 300, **names) -> str:
     """Run `body` in a fresh interpreter on CPU: the tree copy at `root` first on sys.path, then this
     repo, the Habana modules stubbed (habana_stub.py), `names` given as globals. Returns the last
     line it prints (vLLM may log to stdout before it)."""
-    head = (f"import sys\nsys.path[:0] = [{str(root)!r}, {str(REPO)!r}]\n"
-            "from tests.support.gaudi import habana_stub\nhabana_stub.install()\n"
+    stub = (f"import sys\nsys.path.insert(0, {str(root)!r})\n"
+            "from tests.support.gaudi import habana_stub\nhabana_stub.install()\n")
+    return run_fresh(stub + textwrap.dedent(body), timeout, **names)
+
+
+def run_fresh(body: str, timeout: int = 300, **names) -> str:
+    """Run `body` in a fresh interpreter on vLLM-CPU, this repo on sys.path, `names` given as globals:
+    the side a tree run is compared with, in a process no earlier test has touched, as the tree's.
+    Returns the last line it prints."""
+    head = (f"import sys\nsys.path.insert(0, {str(REPO)!r})\n"
             + "".join(f"{name} = {value!r}\n" for name, value in names.items()))
     proc = subprocess.run([sys.executable, "-c", head + textwrap.dedent(body)], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=str(REPO)),

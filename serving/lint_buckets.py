@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from beam_hpu.runtime.sliding_window.hpu_window import window_block_count
-from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry
+from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry, window_kv_file_name
 
 RANGE_CALL = re.compile(r"range\(\s*(-?\d+)\s*,\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)")
 MAX_RANGE_ELEMENTS = 10_000  # vllm-gaudi leaves longer ranges unexpanded: the line then fails to parse
@@ -338,8 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     section = recipe[args.variant] if args.variant else recipe
     name = section["buckets"]["file"]
     if args.window_kv:
-        from serving.make_buckets import window_kv_file_name
-
         name = window_kv_file_name(name)
     path = args.file or SERVING_DIR / name
     k = speculative_tokens(recipe, args.variant) if args.variant else 0

@@ -62,7 +62,7 @@ from beam_hpu.runtime.sliding_window.hpu_window import window_block_count
 from beam_hpu.settings.guards import bucket_file_drafts_line
 from serving.lint_buckets import (drafter_block_batches, drafts_in_block_graphs, speculative_decode_buckets,
                                   speculative_tokens)
-from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry
+from serving.recipe import SERVING_DIR, Geometry, load_recipe, recipe_geometry, window_kv_file_name
 
 # vllm-gaudi treats a prompt context as long from this many tokens of --max-model-len on, and then
 # gives the largest context bucket of each query length its own edge value.
@@ -148,12 +148,6 @@ def window_kv_decode_tiers(g: Geometry, variant: str | None = None) -> dict[int,
     base = VARIANT_DECODE_TIERS[variant] if variant else {b: DECODE_TIERS_TOKENS for b in DECODE_BATCHES}
     return {batch: (window_tokens, ) + tuple(t for t in tiers if t > DECODE_TIERS_TOKENS[0])
             for batch, tiers in base.items()}
-
-
-def window_kv_file_name(file_name: str) -> str:
-    """tp8-seqs16-256k.txt -> tp8-seqs16-256k-window.txt."""
-    stem, dot, ext = file_name.rpartition(".")
-    return f"{stem}-window{dot}{ext}"
 
 
 def decode_buckets(g: Geometry, tiers: dict[int, tuple[int, ...]] | None = None) -> list[tuple[int, int, int]]:

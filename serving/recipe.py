@@ -28,6 +28,13 @@ class Geometry:
     max_decode_graphs: int
 
 
+def window_kv_file_name(file_name: str) -> str:
+    """The bucket file for a window-sized KV cache beside `file_name`:
+    tp8-seqs16-256k.txt -> tp8-seqs16-256k-window.txt."""
+    stem, dot, ext = file_name.rpartition(".")
+    return f"{stem}-window{dot}{ext}"
+
+
 def load_recipe(path: Path = RECIPE_PATH) -> dict:
     import yaml  # only the recipe needs it; the bucket linter itself does not
 

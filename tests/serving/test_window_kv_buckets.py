@@ -11,7 +11,7 @@ from pathlib import Path
 
 from beam_hpu.runtime.sliding_window.hpu_window import window_block_count
 from serving import lint_buckets, make_buckets
-from serving.recipe import load_recipe, recipe_geometry
+from serving.recipe import load_recipe, recipe_geometry, window_kv_file_name
 
 REPO = Path(__file__).resolve().parents[2]
 SERVING = REPO / "serving"
@@ -31,14 +31,14 @@ def decode_shapes(path: Path) -> dict[tuple[int, int, int], lint_buckets.Bucket]
 
 def test_window_files_regenerate_byte_for_byte():
     for variant, base in ((None, PLAIN), ("speculative", SPEC)):
-        path = SERVING / make_buckets.window_kv_file_name(base.name)
+        path = SERVING / window_kv_file_name(base.name)
         assert path.read_text() == make_buckets.render(GEOMETRY, path.name, variant, window_kv=True)
         assert make_buckets.main(["--window-kv", "--check"] + ([f"--{variant}"] if variant else [])) == 0
 
 
 def test_window_files_lint_clean_with_and_without_window_kv():
     for k, base in ((0, PLAIN), (K, SPEC)):
-        text = (SERVING / make_buckets.window_kv_file_name(base.name)).read_text()
+        text = (SERVING / window_kv_file_name(base.name)).read_text()
         assert lint_buckets.lint_bucket_text(text, GEOMETRY, k) == []
         assert lint_buckets.lint_bucket_text(text, GEOMETRY, k, window_kv=True) == []
     assert lint_buckets.main(["--window-kv"]) == 0
@@ -46,7 +46,7 @@ def test_window_files_lint_clean_with_and_without_window_kv():
 
 
 def test_window_ranges_keep_the_full_groups_and_add_the_window_tier():
-    plain, window = decode_shapes(PLAIN), decode_shapes(SERVING / make_buckets.window_kv_file_name(PLAIN.name))
+    plain, window = decode_shapes(PLAIN), decode_shapes(SERVING / window_kv_file_name(PLAIN.name))
     per_seq_4k = 4096 // GEOMETRY.block_size
     for batch in {s[0] for s in plain}:
         ours = sorted(s[2] for s in window if s[0] == batch)
@@ -63,7 +63,7 @@ def test_every_padded_batch_puts_sliding_lists_in_a_window_sized_bucket():
     """vllm-gaudi's lookup (the first bucket, in sorted order, with at least the batch and the
     blocks): for every batch the recipe forms, a sliding group's full window list lands in a
     bucket of exactly its padded batch x 5 blocks."""
-    window = sorted(decode_shapes(SERVING / make_buckets.window_kv_file_name(PLAIN.name)))
+    window = sorted(decode_shapes(SERVING / window_kv_file_name(PLAIN.name)))
     for batch in range(1, GEOMETRY.max_num_seqs + 1):
         found = next(s for s in window if s[0] >= batch and s[2] >= batch * WINDOW_BLOCKS)
         assert found[2] == found[0] * WINDOW_BLOCKS, (batch, found)
@@ -82,3 +82,18 @@ def test_lint_window_kv_names_the_recipes_missing_window_buckets():
     # The seeds' batches and the verify rows vllm-gaudi makes from them (batch x (k+1)).
     assert sorted(int(p.rsplit("missing bucket (", 1)[1].split(",")[0]) for p in spec) == sorted(
         [1, 4, 16] + [b * (K + 1) for b in (1, 4, 16)])
+
+
+def test_the_linter_does_not_import_the_generator():
+    """make_buckets builds on lint_buckets' shapes; the linter reads files only, so it imports
+    nothing of the generator (not even inside a function), and each loads without the other's
+    import finishing first."""
+    import ast
+
+    tree = ast.parse((SERVING / "lint_buckets.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any("make_buckets" in name for name in imported if name), imported
+    proc = subprocess.run([sys.executable, "-c", "import sys, serving.lint_buckets; "
+                           "assert 'serving.make_buckets' not in sys.modules"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

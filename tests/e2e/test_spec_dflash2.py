@@ -34,7 +34,7 @@ from beam_hpu.tiny import tasks as syn
 from beam_hpu.tiny.checkpoint import TRAINED_DIR
 from beam_hpu.tiny.dflash2_drafter import SERVED_DRAFTS, speculative_config
 from tests.support.readme_requests import demo_requests
-from tests.support.served_spec import chat_once, spec_counters
+from tests.support.served_spec import accepted_and_rejected, chat_once, spec_counters
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
@@ -170,6 +170,7 @@ def test_chat_answers_identical_streamed_and_not(runs):
     assert json.loads(plain[2]["content"]) == {"city": "Cairo"}
     c = spec["all_counters"]
     print(f"DFlash2 tiny drafter over every request: mean accepted length {1 + c['accepted'] / c['drafts']:.2f}")
+    assert accepted_and_rejected(c["accepted"], c["draft_tokens"]), c
 
 
 def sampled_distribution(top_logprobs: dict[int, float], temperature: float, top_k: int, top_p: float) -> dict[int, float]:

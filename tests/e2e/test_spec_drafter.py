@@ -18,7 +18,7 @@ from openai import OpenAI
 from beam_hpu.tiny import tasks as syn
 from beam_hpu.tiny.checkpoint import TRAINED_DIR
 from beam_hpu.tiny.drafter import SERVED_SPECULATIVE_TOKENS, speculative_config
-from tests.support.served_spec import chat_once, spec_counters
+from tests.support.served_spec import accepted_and_rejected, chat_once, spec_counters
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
@@ -106,3 +106,4 @@ def test_chat_answers_identical_streamed_and_not(runs):
     assert json.loads(plain_answers[4]["content"]) == {"city": "Cairo"}
     c = spec["all_counters"]
     print(f"EAGLE3 tiny drafter over every request: mean accepted length {1 + c['accepted'] / c['drafts']:.2f}")
+    assert accepted_and_rejected(c["accepted"], c["draft_tokens"]), c

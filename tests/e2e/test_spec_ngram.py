@@ -40,6 +40,7 @@ from beam_hpu.gates.client import Endpoint, assembled
 from beam_hpu.gates.profile import get_profile
 from beam_hpu.tiny import tasks as syn
 from beam_hpu.tiny.checkpoint import TRAINED_DIR
+from tests.support.served_spec import accepted_and_rejected
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
@@ -170,6 +171,8 @@ def test_speculation_drafted_and_accepted(runs):
 
 def test_every_answer_is_identical_with_and_without_ngram(runs):
     plain, spec = runs
+    c = spec["counters"]
+    assert accepted_and_rejected(c["num_accepted_tokens"], c["num_draft_tokens"]), c
     assert len(plain["answers"]) == len(spec["answers"]) >= 19  # smoke 6, copy 2, tools 11
     for a, b in zip(plain["answers"], spec["answers"]):
         assert a.get("messages") == b.get("messages") and a.get("prompt") == b.get("prompt")
@@ -246,6 +249,8 @@ def test_suffix_drafted_and_accepted(suffix_runs):
 
 def test_every_answer_is_identical_with_and_without_suffix(suffix_runs):
     plain, spec = suffix_runs
+    c = spec["counters"]
+    assert accepted_and_rejected(c["num_accepted_tokens"], c["num_draft_tokens"]), c
     assert len(plain["answers"]) == len(spec["answers"]) >= 19
     for a, b in zip(plain["answers"], spec["answers"]):
         if "token_ids" in a:

@@ -17,6 +17,13 @@ def spec_counters(server) -> dict[str, float]:
     return out
 
 
+def accepted_and_rejected(accepted: float, draft_tokens: float) -> bool:
+    """Whether a run's verify steps both accepted and rejected drafted tokens: only then do answers
+    equal to the plain server's show the verifier lossless (they would be equal alike if every
+    draft were accepted by a verifier that ignores the target, or none drafted)."""
+    return 0 < accepted < draft_tokens
+
+
 def chat_once(client, model, req, stream, max_tokens=96):
     """One chat request at temperature 0 as the client sees it, streamed or not."""
     kw = dict(model=model, temperature=0, max_tokens=max_tokens, **req)

@@ -70,7 +70,7 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from beam_hpu.location import local_checkpoint_dir
 from beam_hpu.model.cpu_fused_norm import beam_rms_norm
-from beam_hpu.model.dflash2_ops import block_attention, greedy_walk, grouped_conv, score_edges
+from beam_hpu.model.dflash2_ops import block_attention, greedy_walk, grouped_conv, sampled_walk, score_edges
 from beam_hpu.model.ops import swiglu_fp32
 
 REQUIRED_DFLASH_KEYS = ("target_layer_ids", "conv_kernel_size", "conv_group_size", "selector_rank",
@@ -385,14 +385,27 @@ class DFlash2BeamForCausalLM(nn.Module):
         values, ids = self.compute_logits(hidden).topk(self.model.candidate_selector.top_k, dim=-1)
         return ids, values
 
-    def draft_greedy(self, hidden: torch.Tensor, anchor_ids: torch.Tensor):
-        """[R, B, H] block output, [R] bonus tokens -> drafted tokens [R, B-1], the selector's
-        score rows [R, B-1, K] and candidate ids [R, B-1, K]."""
-        drafted = hidden[:, 1:]  # rows 1..B-1 predict the tokens at their own positions
+    def edge_scores(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[R, B, H] block output, [R] bonus tokens -> the selector's edge scores [R, B-1, K, K] and
+        candidate ids [R, B-1, K] (rows 1..B-1 predict the tokens at their own positions)."""
+        drafted = hidden[:, 1:]
         ids, unary = self.compute_candidates(drafted)
-        scores = self.model.candidate_selector(ids, unary, drafted, anchor_ids)
+        return self.model.candidate_selector(ids, unary, drafted, anchor_ids), ids
+
+    def draft_greedy(self, hidden: torch.Tensor, anchor_ids: torch.Tensor):
+        """-> drafted tokens [R, B-1], the score rows the walk read [R, B-1, K] and candidate ids."""
+        scores, ids = self.edge_scores(hidden, anchor_ids)
         tokens, rows = greedy_walk(scores, ids)
         return tokens, rows, ids
+
+    def draft_sampled(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, temperature: torch.Tensor,
+                      noise: torch.Tensor):
+        """The walk sampled at each request's temperature [R] with exponential `noise` [R, B-1, K]:
+        drafted tokens [R, B-1], the distributions they were drawn from over their candidates
+        [R, B-1, K], and the candidate ids [R, B-1, K]."""
+        scores, ids = self.edge_scores(hidden, anchor_ids)
+        tokens, dists = sampled_walk(scores, ids, temperature, noise)
+        return tokens, dists, ids
 
     # Checkpoint name part -> (parameter name part, shard id).
     stacked_params_mapping = [

@@ -127,3 +127,32 @@ def greedy_walk(scores: torch.Tensor, candidate_ids: torch.Tensor) -> tuple[torc
         rows.append(row)
         prev = pick
     return torch.stack(tokens, dim=1), torch.stack(rows, dim=1)
+
+
+def sampled_walk(scores: torch.Tensor, candidate_ids: torch.Tensor, temperature: torch.Tensor,
+                 noise: torch.Tensor, greedy_below: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selector's path sampled (upstream's `draft_sample_method: probabilistic`): tokens [R, N]
+    and the distribution each was drawn from over its K candidates [R, N, K].
+
+    At each position the request's row of edge scores (as in `greedy_walk`) at its temperature
+    [R] gives softmax(row / T); the candidate is drawn from it by the exponential race (argmax of
+    p / E with E ~ Exp(1), `noise` [R, N, K]: the caller draws it, per request when seeded), and
+    the next position reads the drawn candidate's row. The drafted token's probability is this
+    chain's, which is what rejection sampling must divide by. A request below `greedy_below`
+    (vLLM's sampling epsilon) walks greedily, its rows one-hot at the pick.
+    """
+    R, N, K = candidate_ids.shape
+    greedy = temperature < greedy_below
+    inv_t = torch.where(greedy, 1.0, temperature.float()).reciprocal()[:, None]  # [R, 1]
+    prev = torch.zeros(R, dtype=torch.long, device=scores.device)
+    batch = torch.arange(R, device=scores.device)
+    tokens, dists = [], []
+    for t in range(N):
+        row = scores[batch, t, prev].float()  # [R, K]
+        probs = (row * inv_t).softmax(dim=-1)
+        pick = torch.where(greedy, row.argmax(dim=-1), (probs / noise[:, t]).argmax(dim=-1))
+        probs = torch.where(greedy[:, None], torch.nn.functional.one_hot(pick, K).float(), probs)
+        tokens.append(candidate_ids[batch, t, pick])
+        dists.append(probs)
+        prev = pick
+    return torch.stack(tokens, dim=1), torch.stack(dists, dim=1)

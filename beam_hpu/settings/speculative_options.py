@@ -72,10 +72,13 @@ def _target_tp(arg: Callable[[str], Any]) -> tuple:
 _SUFFIX = "suffix decoding's tree; the DFlash2 path never builds one"
 
 OPTIONS = [
-    Option("draft_sample_method", "greedy", BOTH,
-           "both DFlash2 proposers walk the candidate selector greedily and hand the drafts to verification "
-           "as point masses (sampled requests stay exact); no code samples the walk",
-           "'greedy' (the default)"),
+    # CPU: CpuDFlash2Proposer samples the walk at each request's temperature and hands verification
+    # the distributions it drew from (vLLM's take_last_draft_probs).
+    Option("draft_sample_method", "greedy", HPU,
+           "HpuDFlash2Proposer's captured step walks the candidate selector greedily (a sampled walk needs "
+           "each request's temperature and noise as step inputs, which the step does not take) and hands "
+           "the drafts to verification as point masses",
+           "'greedy' (the default); 'probabilistic' on CPU"),
     Option("rejection_sample_method", "standard", BOTH,
            "'block' verification exists only in vLLM's V2 runner; vLLM-CPU's V1 runner and vllm-gaudi verify "
            "one draft at a time",

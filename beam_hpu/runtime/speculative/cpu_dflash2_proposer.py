@@ -12,11 +12,14 @@ rows, the k + 1 lookahead slots) and replaces what DFlash v1 does with them:
   drafter has no attention layer in vLLM's KV cache, so nothing is written there);
 - one block forward per step: the bonus token and k mask tokens at the positions after the last
   accepted token, non-causal, over that context;
-- the candidate selector's greedy walk over each drafted row's top-k (`draft_greedy`).
+- the candidate selector's walk over each drafted row's top-k: greedy (`draft_greedy`), or with
+  `draft_sample_method: probabilistic` sampled at each request's temperature (`draft_sampled`), as
+  upstream's walk draws it.
 
-Every request drafts the greedy walk (the startup guard refuses `draft_sample_method:
-probabilistic`, rule dflash2_options); drafts go to verification as point masses (no draft
-probabilities), so vLLM's rejection sampling keeps sampled requests exact in distribution.
+Greedy drafts go to verification as point masses (no draft probabilities). Sampled drafts go with
+the distributions they were drawn from (vLLM's `take_last_draft_probs`, scattered over the
+vocabulary), so vLLM's rejection sampling accepts each by p / q; either way sampled requests stay
+exact in distribution. A batch of greedy requests only walks greedily, as vLLM's own drafters do.
 """
 
 from __future__ import annotations
@@ -93,15 +96,17 @@ class CpuDFlash2Proposer(DFlashProposer):
                 for i in range(num_reqs)]
         req_ids = list(self.runner.input_batch.req_ids[:num_reqs])
         drafts = self._draft(req_ids, [target_positions[r] for r in rows], target_hidden_states[torch.cat(rows)],
-                             next_token_ids[:num_reqs], 1 + num_speculative_tokens, keep=True)
+                             next_token_ids[:num_reqs], 1 + num_speculative_tokens, keep=True,
+                             sampling=sampling_metadata)
         for gone in set(self.contexts) - set(self.runner.requests):
             del self.contexts[gone]
         return drafts
 
     def _draft(self, keys_of: list[Any], positions: list[torch.Tensor], states: torch.Tensor,
-               bonus_ids: torch.Tensor, block: int, *, keep: bool) -> torch.Tensor:
+               bonus_ids: torch.Tensor, block: int, *, keep: bool, sampling=None) -> torch.Tensor:
         """Extend each request's context with its new rows' states, run one block, walk it.
-        positions: one [n_i] tensor per request; states [sum n_i, n_states * H]; -> drafts [R, block - 1]."""
+        positions: one [n_i] tensor per request; states [sum n_i, n_states * H]; -> drafts [R, block - 1].
+        `sampling` (vLLM's SamplingMetadata of the step) decides a sampled walk."""
         with set_forward_context(None, self.vllm_config, num_tokens=max(states.shape[0], 1)):
             keys, values = self.model.context_kv(self.model.combine_hidden_states(states),
                                                  torch.cat(positions))
@@ -122,5 +127,34 @@ class CpuDFlash2Proposer(DFlashProposer):
             ids, block_pos, in_range = dflash2_context.block_inputs(bonus_ids, last, block, self.mask_token_id,
                                                                     self.max_model_len)
             hidden = self.model(ids, block_pos, DFlash2Context(k, v, ctx_pos, valid, in_range))
-            tokens, _, _ = self.model.draft_greedy(hidden, ids[:, 0])
+            if not self._samples(sampling):
+                tokens, _, _ = self.model.draft_greedy(hidden, ids[:, 0])
+                return tokens
+            R = len(contexts)
+            noise = exponential_noise(R, block - 1, self.model.model.candidate_selector.top_k, sampling.generators)
+            tokens, dists, candidates = self.model.draft_sampled(hidden, ids[:, 0], sampling.temperature[:R], noise)
+            # the drafter's vocabulary is the target's (its LM head is the target's): verification's width
+            self._last_draft_probs = over_vocabulary(dists, candidates, self.model.config.vocab_size)
         return tokens
+
+    def _samples(self, sampling) -> bool:
+        return (sampling is not None and self._enable_probabilistic_draft_probs and not sampling.all_greedy
+                and sampling.temperature is not None)
+
+
+def exponential_noise(requests: int, positions: int, candidates: int,
+                      generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exp(1) draws [R, N, K] for the sampled walk: a seeded request's from its own generator (its
+    drafts repeat with its seed), the others' from torch's."""
+    noise = torch.empty(requests, positions, candidates).exponential_()
+    for i, generator in generators.items():
+        if i < requests:
+            noise[i].exponential_(generator=generator)
+    return noise
+
+
+def over_vocabulary(dists: torch.Tensor, candidate_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, N, K] distributions over each position's candidates -> [R, N, V], zero off them (the
+    candidates of a position are distinct: a top-k)."""
+    out = dists.new_zeros(*dists.shape[:2], vocab)
+    return out.scatter_(-1, candidate_ids, dists)

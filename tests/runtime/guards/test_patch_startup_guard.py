@@ -82,13 +82,14 @@ def test_engine_start_refuses_a_forbidden_environment(tiny_fp32):
 @pytest.mark.slow
 def test_vllm_serve_refuses_an_option_the_dflash2_path_does_not_read():
     """A real `vllm serve` of the tiny trained Beam with its DFlash2 drafter and
-    `draft_sample_method: "probabilistic"` (the walk is greedy): vLLM's own SpeculativeConfig takes
-    the key, so only the port's guard stops it; it must exit before the engine starts, naming it."""
+    `use_local_argmax_reduction: true` (EAGLE's draft sampling reads it; the DFlash2 walk does not):
+    vLLM's own SpeculativeConfig takes the key, so only the port's guard stops it; it must exit
+    before the engine starts, naming it."""
     import json
 
     from beam_hpu.tiny.checkpoint import TRAINED_DIR
     from beam_hpu.tiny.dflash2_drafter import speculative_config
 
-    config = {**json.loads(speculative_config()), "draft_sample_method": "probabilistic"}
+    config = {**json.loads(speculative_config()), "use_local_argmax_reduction": True}
     out = serve_refused(TRAINED_DIR, ["--speculative-config", json.dumps(config)])
-    assert "--speculative-config draft_sample_method 'probabilistic' with Beam's DFlash2 drafter" in out
+    assert "--speculative-config use_local_argmax_reduction True with Beam's DFlash2 drafter" in out

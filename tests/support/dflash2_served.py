@@ -91,28 +91,3 @@ def drafter_outputs(model, case: dict) -> dict:
     return {"q": q, "k": k, "v": v, "context_keys": keys, "context_values": values, "hidden": hidden,
             "drafts": model.draft_greedy(hidden, ids[:, 0])[0], "block_positions": positions}
 
-
-def engine_free_proposer(model, window: int, speculative_tokens: int = 3, sample_walks: bool = False):
-    """CpuDFlash2Proposer around `model` without an engine (what propose() reads), for requests
-    "a" and "b"; `sample_walks` as `draft_sample_method: probabilistic` sets it. Returns the
-    proposer and the list every block forward's hidden states are appended to."""
-    from vllm.config import VllmConfig
-
-    from beam_hpu.runtime.speculative.cpu_dflash2_proposer import CpuDFlash2Proposer
-
-    p = object.__new__(CpuDFlash2Proposer)
-    p.model, p.window, p.mask_token_id, p.contexts = model, window, model.mask_token_id, {}
-    p.vllm_config, p.max_model_len = VllmConfig(), model.config.max_position_embeddings
-    p.num_speculative_tokens, p._enable_probabilistic_draft_probs = speculative_tokens, sample_walks
-    p.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"]), requests={"a": 0, "b": 0})
-    seen = []
-    model.register_forward_hook(lambda m, i, out: seen.append(out.clone()))
-    return p, seen
-
-
-def propose_rows(p, lengths, positions, states, bonus, rejected=None, sampling=None) -> torch.Tensor:
-    """One runner step's propose(): each request's `lengths` rows (query_start_loc from them)."""
-    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    meta = SimpleNamespace(num_reqs=len(lengths), query_start_loc_cpu=starts)
-    return p.propose(p.num_speculative_tokens, None, positions, states, bonus, None, meta, sampling,
-                     num_rejected_tokens_gpu=None if rejected is None else torch.tensor(rejected))

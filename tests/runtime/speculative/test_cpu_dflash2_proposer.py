@@ -11,7 +11,8 @@ import torch
 
 from beam_hpu.model.dflash2 import DFlash2Context
 from beam_hpu.runtime.speculative import dflash2_context
-from tests.support.dflash2_served import engine_free_proposer, propose_rows, tiny_dflash2
+from tests.support.dflash2_proposers import cpu_proposer, cpu_propose
+from tests.support.dflash2_served import tiny_dflash2
 
 L, NKV, D = 2, 2, 4
 
@@ -105,6 +106,17 @@ def test_the_walk_follows_its_rule_over_token_ids():
     assert overruled
 
 
+def _proposer(model, window):
+    p = cpu_proposer(model, ["a", "b"], window=window)
+    seen = []
+    model.register_forward_hook(lambda m, i, out: seen.append(out.clone()))
+    return p, seen
+
+
+def _propose(p, lengths, positions, states, bonus, rejected=None):
+    return cpu_propose(p, 3, lengths, positions, states, bonus, rejected)
+
+
 @pytest.mark.parametrize("window", [4096, 4])
 def test_a_verify_step_drafts_as_if_the_accepted_context_were_fed_at_once(window):
     """Step 1 prefills 9 and 5 tokens; step 2 verifies 3 drafts each (a accepts 1: its last two rows
@@ -116,15 +128,15 @@ def test_a_verify_step_drafts_as_if_the_accepted_context_were_fed_at_once(window
     g = torch.Generator().manual_seed(0)
     full = {"a": torch.randn(11, width, generator=g), "b": torch.randn(9, width, generator=g)}
     with torch.no_grad():
-        p, seen = engine_free_proposer(model, window)
-        propose_rows(p, [9, 5], torch.cat([torch.arange(9), torch.arange(5)]),
+        p, seen = _proposer(model, window)
+        _propose(p, [9, 5], torch.cat([torch.arange(9), torch.arange(5)]),
                  torch.cat([full["a"][:9], full["b"][:5]]), torch.tensor([3, 4]))
         garbage = torch.full((2, width), 1e4)
         step2 = torch.cat([full["a"][9:11], garbage, full["b"][5:9]])
-        drafts = propose_rows(p, [4, 4], torch.cat([torch.arange(9, 13), torch.arange(5, 9)]), step2,
+        drafts = _propose(p, [4, 4], torch.cat([torch.arange(9, 13), torch.arange(5, 9)]), step2,
                           torch.tensor([21, 22]), rejected=[2, 0])
-        fresh, fresh_seen = engine_free_proposer(model, window)
-        expected = propose_rows(fresh, [11, 9], torch.cat([torch.arange(11), torch.arange(9)]),
+        fresh, fresh_seen = _proposer(model, window)
+        expected = _propose(fresh, [11, 9], torch.cat([torch.arange(11), torch.arange(9)]),
                             torch.cat([full["a"], full["b"]]), torch.tensor([21, 22]))
     assert drafts.shape == (2, 3)
     assert torch.equal(drafts, expected)
@@ -136,13 +148,13 @@ def test_a_verify_step_drafts_as_if_the_accepted_context_were_fed_at_once(window
 def test_finished_requests_leave_the_store():
     model = tiny_dflash2()
     with torch.no_grad():
-        p, _ = engine_free_proposer(model, 4096)
-        propose_rows(p, [2, 2], torch.tensor([0, 1, 0, 1]), torch.randn(4, model.model.fc.input_size),
+        p, _ = _proposer(model, 4096)
+        _propose(p, [2, 2], torch.tensor([0, 1, 0, 1]), torch.randn(4, model.model.fc.input_size),
                  torch.tensor([1, 2]))
         assert set(p.contexts) == {"a", "b"}
         p.runner.requests = {"a": 0}
         p.runner.input_batch.req_ids = ["a"]
-        propose_rows(p, [1], torch.tensor([2]), torch.randn(1, model.model.fc.input_size), torch.tensor([1]))
+        _propose(p, [1], torch.tensor([2]), torch.randn(1, model.model.fc.input_size), torch.tensor([1]))
     assert set(p.contexts) == {"a"}
 
 

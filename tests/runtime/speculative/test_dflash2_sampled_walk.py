@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from beam_hpu.model.dflash2_ops import greedy_walk, sampled_walk
-from tests.support.dflash2_served import engine_free_proposer, propose_rows, tiny_dflash2
+from tests.support.dflash2_proposers import cpu_propose, cpu_proposer
+from tests.support.dflash2_served import tiny_dflash2
 
 K, T, WALKS, ALPHA = 3, 0.7, 20000, 1e-4
 
@@ -93,9 +94,9 @@ def _run(model, sampling, sample_walks=True):
     g = torch.Generator().manual_seed(0)
     states = torch.randn(9, width, generator=g)
     with torch.no_grad():
-        p, _ = engine_free_proposer(model, 4096, speculative_tokens=7, sample_walks=sample_walks)
-        drafts = propose_rows(p, [5, 4], torch.cat([torch.arange(5), torch.arange(4)]), states,
-                              torch.tensor([3, 4]), sampling=sampling)
+        p = cpu_proposer(model, ["a", "b"], window=4096, sample_walks=sample_walks)
+        drafts = cpu_propose(p, 7, [5, 4], torch.cat([torch.arange(5), torch.arange(4)]), states,
+                             torch.tensor([3, 4]), sampling=sampling)
     return drafts, p._last_draft_probs
 
 

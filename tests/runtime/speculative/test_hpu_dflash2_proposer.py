@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from beam_hpu.model.dflash2 import DFlash2Context
 from beam_hpu.runtime.speculative import dflash2_context
 from beam_hpu.runtime.speculative.hpu_dflash2_proposer import HpuDFlash2Proposer
+from tests.support.dflash2_proposers import Runner, hpu_prefill, hpu_proposer, hpu_verify
 from tests.support.dflash2_served import tiny_dflash2
 
 K = 3  # drafted tokens a step (block 4)
@@ -38,62 +39,16 @@ def vllm_config():
         yield
 
 
-def proposer(model, *, max_num_seqs=4, max_model_len=None):
-    config = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=K,
-                                           draft_model_config=SimpleNamespace(hf_config=model.config)),
-        model_config=SimpleNamespace(max_model_len=max_model_len or model.config.max_position_embeddings),
-        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
-    p = HpuDFlash2Proposer(config, "cpu")
-    from vllm.config import get_current_vllm_config
-
-    p.vllm_config = get_current_vllm_config()  # what the step's forward context reads
-    p.attach(model)
-    return p
-
-
-class Runner:
-    """What the proposer reads of vllm-gaudi's runner: its requests and input batch order."""
-
-    def __init__(self, req_ids):
-        self.requests = {r: None for r in req_ids}
-        self.input_batch = SimpleNamespace(req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)})
-
-
-def per_layer(states):
-    """[rows, n * H] -> the runner's auxiliary states, one [rows, H] tensor per read layer."""
-    return list(states.chunk(N_STATES, dim=-1))
+def proposer(model, **kwargs):
+    return hpu_proposer(model, K, **kwargs)
 
 
 def prefill(p, runner, rows, bonus, T=12, bs=4):
-    """One prefill batch: request r's rows[r] = (first position, [n, n * H] states), padded to bs x T."""
-    width = next(iter(rows.values()))[1].shape[-1]
-    positions = torch.full((bs, T), -1, dtype=torch.int32)
-    states = torch.zeros(bs, T, width)
-    for i, (start, s) in enumerate(rows.values()):
-        positions[i, :s.shape[0]] = torch.arange(start, start + s.shape[0])
-        states[i, :s.shape[0]] = s
-    sampled = [[] for _ in runner.input_batch.req_ids]
-    for req_id, token in bonus.items():
-        sampled[runner.input_batch.req_id_to_index[req_id]] = [token]
-    data = SimpleNamespace(request_ids=[list(rows)], position_ids=[positions])
-    return p.propose(runner, sampled, None, [per_layer(states.view(bs * T, -1))], 0, data, None)
+    return hpu_prefill(p, runner, rows, bonus, N_STATES, T, bs)
 
 
 def verify(p, runner, first, states, sampled, per=K + 1, batch=4):
-    """One verify step of the decodes in runner order: sequence i's rows at first[i] .. + per - 1
-    (states [per, n * H] each, rejected rows included), sampled[i] its accepted tokens + bonus."""
-    n = len(first)
-    width = states[0].shape[-1]
-    positions = torch.zeros(batch * per, 1, dtype=torch.int32)
-    rows = torch.zeros(batch * per, width)
-    for i in range(n):
-        positions[i * per:(i + 1) * per, 0] = torch.arange(first[i], first[i] + per)
-        rows[i * per:(i + 1) * per] = states[i]
-    # a step without drafts at all is a plain decode: vllm-gaudi builds no spec-decode metadata
-    meta = SimpleNamespace(num_draft_tokens=[per - 1] * n + [0] * (batch - n)) if per > 1 else None
-    data = SimpleNamespace(position_ids=positions, spec_decode_metadata=meta)
-    return p.propose(runner, sampled, per_layer(rows), None, n, None, data)
+    return hpu_verify(p, runner, first, states, sampled, N_STATES, per, batch)
 
 
 def reference(model, contexts, bonus, max_model_len=None):

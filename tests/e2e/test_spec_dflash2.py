@@ -16,8 +16,10 @@ SAMPLES seeded completions (temperature 1, top_k, top_p) at a prompt where the f
 but certain and the second is not, and where the drafted token at the second position is the
 target's top token there (~0.5): the plain server's top logprobs give the expected distribution,
 and a chi-square test at ALPHA must accept both servers' draws and reject what a verifier
-accepting every draft, or none, would emit. On the drafted server vLLM refuses `min_p` and
-`logit_bias` (both served without speculation) with HTTP 400 naming the field.
+accepting every draft, or none, would emit. A third server samples the selector walk
+(`draft_sample_method: probabilistic`) and hands verification each draft's probability: its draws
+must pass the same test. On the drafted server vLLM refuses `min_p` and `logit_bias` (both served
+without speculation) with HTTP 400 naming the field.
 """
 
 import json
@@ -156,6 +158,7 @@ def test_copy_is_token_identical_and_dflash2_drafted(runs):
     assert len(spec["copies"][-1]) == TO_THE_END  # the last one ran to the model length
     c = spec["copy_counters"]
     assert "cpu-dflash2-proposer: drafting with Beam's DFlash2 drafter" in spec["log"]
+    assert "(selector walk: greedy)" in spec["log"] and "verifying drafts against" not in spec["log"]
     assert c["drafts"] > 0
     print(f"DFlash2 tiny drafter, k={DRAFTED}: mean accepted length on copy {1 + c['accepted'] / c['drafts']:.2f}")
 
@@ -211,6 +214,15 @@ def second_token_counts(draws: list[tuple[int, ...]], first: int) -> dict[int, i
     return counts
 
 
+def assert_second_token_follows(name: str, run: dict, first: int, expected: dict[int, float]) -> None:
+    counts = second_token_counts(run["draws"], first)
+    assert sum(counts.values()) == SAMPLES, (name, counts)
+    p_value = chi_square_p_value(counts, expected)
+    print(f"{name}: second token {counts} vs expected {({t: round(p * SAMPLES, 1) for t, p in expected.items()})}, "
+          f"chi-square p = {p_value:.3g}; {SAMPLES} draws in {run['seconds']:.1f} s, spec counters {run['sampled_counters']}")
+    assert p_value >= ALPHA, (name, counts, expected)
+
+
 def test_sampled_requests_are_exact_in_distribution_with_dflash2_drafts(runs):
     """Drafts are point masses, so for the drafted token d the verifier emits d with probability
     p(d) and otherwise a draw from p without d: the second token must follow the target's sampled
@@ -236,18 +248,39 @@ def test_sampled_requests_are_exact_in_distribution_with_dflash2_drafts(runs):
     assert plain["sampled_counters"]["drafts"] == 0
 
     for name, run in (("plain", plain), ("dflash2", drafted_run)):
-        counts = second_token_counts(run["draws"], first)
-        assert sum(counts.values()) == SAMPLES, (name, counts)
-        p_value = chi_square_p_value(counts, expected)
-        print(f"{name}: second token {counts} vs expected {({t: round(p * SAMPLES, 1) for t, p in expected.items()})}, "
-              f"chi-square p = {p_value:.3g}; {SAMPLES} draws in {run['seconds']:.1f} s, spec counters {run['sampled_counters']}")
-        assert p_value >= ALPHA, (name, counts, expected)
+        assert_second_token_follows(name, run, first, expected)
 
     rest = 1 - expected[draft]
     accept_all = {draft: SAMPLES}
     reject_all = {t: round(SAMPLES * p / rest) for t, p in expected.items() if t != draft}
     for counts in (accept_all, reject_all):
         assert chi_square_p_value(counts, expected) < ALPHA, counts
+
+
+@pytest.fixture(scope="module")
+def sampled_walk_run(runs):
+    """A third server (after the drafted one stopped) with `draft_sample_method: probabilistic`:
+    the same draws, the selector walk sampled and its draft probabilities verified."""
+    config = {**json.loads(speculative_config()), "draft_sample_method": "probabilistic"}
+    server = Server(TRAINED_DIR, extra=["--dtype", "float32", "--speculative-config", json.dumps(config)])
+    try:
+        return {"distribution": second_token_draws(server), "log": server.log_text()}
+    finally:
+        server.stop()
+
+
+def test_a_sampled_walk_is_exact_in_distribution(runs, sampled_walk_run):
+    """With the walk sampled, verification divides by the probability each draft was drawn with
+    (vLLM's standard rejection sampling): the second token must still follow the target's law, by
+    the same chi-square test as above; the greedy request still drafts greedily."""
+    plain, run = runs[0]["distribution"], sampled_walk_run["distribution"]
+    first, expected = plain["greedy"][0], sampled_distribution(plain["top_logprobs"][1], **SAMPLING)
+    log = sampled_walk_run["log"]
+    assert "selector walk: sampled at each request's temperature" in log
+    assert "cpu-rejection-sampler: verifying drafts against the distributions they were drawn from" in log
+    assert run["greedy"] == plain["greedy"]
+    assert run["sampled_counters"]["drafts"] >= SAMPLES, run["sampled_counters"]
+    assert_second_token_follows("dflash2 sampled walk", run, first, expected)
 
 
 def test_dflash2_server_refuses_min_p_and_logit_bias_naming_the_field(runs):

@@ -22,7 +22,10 @@ def _with_dflash2_drafter(stock_init):
         # target with a DFlash2 Beam drafter gets this one, every other model keeps vLLM's.
         if hasattr(self, "drafter") and serves_beam_dflash2(self.vllm_config):
             self.drafter = CpuDFlash2Proposer(self.vllm_config, self.device, self)
-            logger.info("%s: drafting with Beam's DFlash2 drafter through CpuDFlash2Proposer", NAME)
+            walk = ("sampled at each request's temperature, its draft probabilities verified"
+                    if self.drafter._enable_probabilistic_draft_probs else "greedy")
+            logger.info("%s: drafting with Beam's DFlash2 drafter through CpuDFlash2Proposer (selector walk: %s)",
+                        NAME, walk)
 
     return __init__
 

@@ -4,12 +4,14 @@ through `beam_hpu.runtime.speculative.rejection_sampling` instead of Triton kern
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
 from beam_hpu.runtime.wrap import wrap
 
 NAME = "cpu-rejection-sampler"
+logger = logging.getLogger("vllm." + __name__)  # vLLM's handler prints it in the engine's log
 
 
 def _rejection_sample_on_cpu(stock_rejection_sample):
@@ -17,6 +19,7 @@ def _rejection_sample_on_cpu(stock_rejection_sample):
     from vllm.v1.sample import rejection_sampler
 
     signature = inspect.signature(stock_rejection_sample)
+    told: list[bool] = []  # the first step with draft probabilities is logged
 
     def rejection_sample(*args, **kwargs):
         a = signature.bind(*args, **kwargs)
@@ -29,6 +32,9 @@ def _rejection_sample_on_cpu(stock_rejection_sample):
             uniform = rejection_sampler.generate_uniform_probs(
                 a["draft_token_ids"].shape[0], a["num_draft_tokens"], metadata.generators,
                 a["target_logits"].device)
+        if a["draft_probs"] is not None and not told:
+            told.append(True)
+            logger.info("%s: verifying drafts against the distributions they were drawn from", NAME)
         return verify(a["draft_token_ids"], a["num_draft_tokens"], a["max_spec_len"],
                       a["cu_num_draft_tokens"], a["draft_probs"], a["target_logits"],
                       a["bonus_token_ids"], all_greedy=metadata.all_greedy,

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
+from beam_hpu.runtime.speculative.dflash2_prefix import PrefixContexts
+
 
 def hpu_proposer(model, k: int, *, max_num_seqs: int = 4, max_model_len: int | None = None):
     from vllm.config import get_current_vllm_config
@@ -75,10 +77,11 @@ def hpu_verify(p, runner, first: list[int], states: list[torch.Tensor], sampled:
 
 
 def cpu_proposer(model, req_ids, *, window: int | None = None, max_model_len: int | None = None,
-                 sample_walks: bool = False):
+                 sample_walks: bool = False, block_size: int | None = None, prompts: dict | None = None):
     """CpuDFlash2Proposer's engine-free part: what propose() reads, set as its __init__ and
     load_model would for `model` in a runner holding `req_ids`; `sample_walks` as
-    `draft_sample_method: probabilistic` sets it."""
+    `draft_sample_method: probabilistic` sets it; with a KV `block_size` it keeps block rows for
+    prefix-cache hits (initialize_attn_backend), `prompts` the requests' prompt token ids."""
     from vllm.config import VllmConfig
 
     from beam_hpu.runtime.speculative.cpu_dflash2_proposer import CpuDFlash2Proposer
@@ -88,17 +91,29 @@ def cpu_proposer(model, req_ids, *, window: int | None = None, max_model_len: in
     p.window = window if window is not None else model.config.sliding_window
     p.vllm_config, p.num_speculative_tokens = VllmConfig(), 0
     p._enable_probabilistic_draft_probs = sample_walks
+    p.tokens, p.prefix = {}, None if block_size is None else PrefixContexts(block_size, 1 << 20)
     p.max_model_len = max_model_len or model.config.max_position_embeddings
-    p.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=list(req_ids)), requests={r: 0 for r in req_ids})
+    p.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=list(req_ids)), requests={})
+    for r in req_ids:
+        admit(p, r, (prompts or {}).get(r))
     return p
 
 
+def admit(p, req_id: str, prompt: list[int] | None = None) -> None:
+    """A request joins the runner (its state: the prompt's token ids, no output yet)."""
+    p.runner.requests[req_id] = SimpleNamespace(prompt_token_ids=prompt, output_token_ids=[])
+    if req_id not in p.runner.input_batch.req_ids:
+        p.runner.input_batch.req_ids.append(req_id)
+
+
 def cpu_propose(p, k: int, lengths: list[int], positions: torch.Tensor, states: torch.Tensor,
-                bonus: torch.Tensor, rejected: list[int] | None = None, sampling=None) -> torch.Tensor:
+                bonus: torch.Tensor, rejected: list[int] | None = None, sampling=None,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One step of vLLM's V1 runner: request i's lengths[i] rows in order (positions and states
-    concatenated), the last rejected[i] of them rejected drafts; `sampling` the step's
-    SamplingMetadata (all_greedy, temperature, generators), None for a greedy batch."""
+    concatenated, `token_ids` the tokens at them), the last rejected[i] of them rejected drafts;
+    `sampling` the step's SamplingMetadata (all_greedy, temperature, generators), None for a
+    greedy batch."""
     starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     meta = SimpleNamespace(num_reqs=len(lengths), query_start_loc_cpu=starts)
-    return p.propose(k, None, positions, states, bonus, None, meta, sampling,
+    return p.propose(k, token_ids, positions, states, bonus, None, meta, sampling,
                      num_rejected_tokens_gpu=None if rejected is None else torch.tensor(rejected))

@@ -16,6 +16,11 @@ rows, the k + 1 lookahead slots) and replaces what DFlash v1 does with them:
   `draft_sample_method: probabilistic` sampled at each request's temperature (`draft_sampled`), as
   upstream's walk draws it.
 
+A request that starts past position 0 (its first blocks were a prefix-cache hit) takes back the
+context rows of those blocks from `dflash2_prefix`, where the proposer keeps the rows of every
+full block it has seen, so it drafts as a request that computed them (`tests/runtime/speculative/
+test_dflash2_prefix.py`).
+
 Greedy drafts go to verification as point masses (no draft probabilities). Sampled drafts go with
 the distributions they were drawn from (vLLM's `take_last_draft_probs`, scattered over the
 vocabulary), so vLLM's rejection sampling accepts each by p / q; either way sampled requests stay
@@ -30,6 +35,7 @@ import torch
 
 from beam_hpu.model.dflash2 import DFlash2Context, drafter_config_file, mask_token_id
 from beam_hpu.runtime.speculative import dflash2_context
+from beam_hpu.runtime.speculative.dflash2_prefix import PrefixContexts, RequestTokens
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
@@ -50,6 +56,9 @@ class CpuDFlash2Proposer(DFlashProposer):
         draft = self.draft_model_config.hf_config
         self.window: int | None = getattr(draft, "sliding_window", None)
         self.contexts: dict[str, dflash2_context.RequestContext] = {}
+        # Each request's tokens (None: not known, e.g. prompt embeddings) and the kept block rows.
+        self.tokens: dict[str, RequestTokens | None] = {}
+        self.prefix: PrefixContexts | None = None
 
     def _create_draft_vllm_config(self):
         # DFlash v1's override only picks a non-causal vLLM attention backend; this drafter has none.
@@ -71,6 +80,9 @@ class CpuDFlash2Proposer(DFlashProposer):
         self.kv_cache_gid = 0
         self.draft_attn_groups = []
         self.block_size = (kernel_block_sizes or [kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size])[0]
+        # vLLM's prefix-cache blocks, whatever the kernel's: the rows kept are found by its keys.
+        cache_block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.prefix = PrefixContexts(cache_block, kv_cache_config.num_blocks)
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True, is_graph_capturing: bool = False,
@@ -95,12 +107,36 @@ class CpuDFlash2Proposer(DFlashProposer):
         rows = [torch.arange(starts[i], starts[i + 1] - rejected[i], device=target_positions.device)
                 for i in range(num_reqs)]
         req_ids = list(self.runner.input_batch.req_ids[:num_reqs])
+        if self.prefix is not None and target_token_ids is not None:
+            for req_id, r in zip(req_ids, rows):
+                self._follow(req_id, target_positions[r], target_token_ids[r])
         drafts = self._draft(req_ids, [target_positions[r] for r in rows], target_hidden_states[torch.cat(rows)],
                              next_token_ids[:num_reqs], 1 + num_speculative_tokens, keep=True,
                              sampling=sampling_metadata)
         for gone in set(self.contexts) - set(self.runner.requests):
             del self.contexts[gone]
+            self.tokens.pop(gone, None)
         return drafts
+
+    def _follow(self, req_id: str, positions: torch.Tensor, ids: torch.Tensor) -> None:
+        """Track the request's tokens through this step's accepted rows; a request new here that
+        starts past 0 gets the kept rows of its cached blocks as its context."""
+        if positions.numel() == 0:
+            return
+        first = int(positions[0])
+        if req_id not in self.tokens:
+            state = self.runner.requests[req_id]
+            past = list(getattr(state, "prompt_token_ids", None) or []) + list(getattr(state, "output_token_ids", []))
+            self.tokens[req_id] = RequestTokens(past[:first]) if len(past) >= first else None
+            if self.tokens[req_id] is not None:
+                self.tokens[req_id].rewind_and_append(first, ids.tolist(), self.prefix.block_size)
+                if first > 0 and req_id not in self.contexts:
+                    restored = self.prefix.restore(self.tokens[req_id].keys, first, self.window)
+                    if restored is not None:
+                        self.contexts[req_id] = restored
+            return
+        if self.tokens[req_id] is not None:
+            self.tokens[req_id].rewind_and_append(first, ids.tolist(), self.prefix.block_size)
 
     def _draft(self, keys_of: list[Any], positions: list[torch.Tensor], states: torch.Tensor,
                bonus_ids: torch.Tensor, block: int, *, keep: bool, sampling=None) -> torch.Tensor:
@@ -114,9 +150,12 @@ class CpuDFlash2Proposer(DFlashProposer):
             for key, pos in zip(keys_of, positions):
                 n = pos.shape[0]
                 old = self.contexts.get(key) if keep else None
-                ctx = dflash2_context.extend(old, pos, keys[:, offset:offset + n], values[:, offset:offset + n],
-                                             self.window)
+                ctx = dflash2_context.extend(old, pos, keys[:, offset:offset + n], values[:, offset:offset + n], None)
                 offset += n
+                known = self.tokens.get(key) if keep else None
+                if known is not None and self.prefix is not None:
+                    self.prefix.keep(known.keys, ctx)  # before the window cuts a long step's rows
+                ctx = dflash2_context.extend(None, ctx.positions, ctx.keys, ctx.values, self.window)
                 if keep:
                     self.contexts[key] = ctx
                 contexts.append(ctx)

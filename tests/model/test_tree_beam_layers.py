@@ -55,6 +55,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.gaudi import trace_table
 from tests.support.gaudi.habana_ops import RMS_NORM_TOLERANCE, ROPE_TOLERANCE
 from tests.support.gaudi.hpu_layers import add_platform_entry_point
 from tests.support.gaudi.tree import port_tree, run_fresh, run_stubbed
@@ -83,6 +84,8 @@ htinternal.is_lazy.return_value = True
 from tests.support.gaudi import hpu_layers
 hpu_layers.install()
 hpu_ops = hpu_layers.install_hpu_ops()
+from tests.support.gaudi.trace import Trace
+trace = Trace()
 from tests.support.gaudi import beam_layers as bl
 bridged = bl.bridge_vllm_gaps()
 from vllm.config import VllmConfig
@@ -95,7 +98,7 @@ stubs = [sys.modules["habana_frameworks"], torch.hpu]
 build_mock_calls = sorted({str(c).split("(")[0] for stub in stubs for c in stub.mock_calls})
 for stub in stubs:
     stub.reset_mock()
-with bl.TreeCalls(ROOT) as calls:
+with bl.TreeCalls(ROOT) as calls, trace.recording():
     out = bl.replay(model, case["inputs"], config)
     logits = bl.logits(model, case["ids"], case["positions"], config)
 mock_calls = sorted({str(c).split("(")[0] for stub in stubs for c in stub.mock_calls})
@@ -123,7 +126,7 @@ adapter_rope = [i for i, layer in enumerate(model.model.layers)
 torch.save({"out": out, "logits": logits, "batched": batched, "routing": routed, "build_mock_calls": build_mock_calls,
             "prepared": prepared, "adapter_rope": adapter_rope, "missing": hpu_ops.missing,
             "bridged": bridged, "reached": bl.reached(model), "tree_calls": sorted(calls.seen),
-            "mock_calls": mock_calls, "shared_rope": bl.shared_rope(model), "eps": bl.norm_eps(model)}, OUT)
+            "mock_calls": mock_calls, "trace": trace.records(), "shared_rope": bl.shared_rope(model), "eps": bl.norm_eps(model)}, OUT)
 print("done")
 '''
 
@@ -300,3 +303,13 @@ def test_the_whole_model_on_the_tree_decides_as_on_vllm_cpu(on_tree, on_cpu):
     assert torch.equal(tree.argmax(-1)[decided], cpu.argmax(-1)[decided])
     best = cpu.gather(-1, tree.argmax(-1, keepdim=True)).squeeze(-1)
     assert (top2[:, 0] - best <= LOGIT_BOUND).all()
+
+
+def test_the_trace_table_lists_what_beam_reached(on_tree):
+    """beam_hpu/runtime/README.md's tree-trace table, its rows reached by Beam, against what this
+    run's forward called (tests/support/gaudi/trace.py)."""
+    trace_table.keep(on_tree["trace"], "Beam")
+    assert on_tree["trace"], "the trace recorded nothing"
+    stale = trace_table.differences(on_tree["trace"], "Beam")
+    assert stale == [], ("the tree-trace table is not this run's (python -m tests.support.gaudi.trace_table "
+                         "--write):\n" + "\n".join(stale))

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.gaudi import trace_table
 from tests.support.gaudi.habana_ops import RMS_NORM_TOLERANCE, ROPE_TOLERANCE
 from tests.support.gaudi.hpu_layers import add_platform_entry_point
 from tests.support.gaudi.tree import port_tree, run_fresh, run_stubbed
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.gaudi_tree
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 DRAFTER_RUN = r'''
+from contextlib import nullcontext
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from tests.support.dflash2_served import drafter_outputs, tiny_dflash2
@@ -46,13 +48,18 @@ with set_current_vllm_config(config):
     for name in DTYPES:
         model = tiny_dflash2(torch_dtype=getattr(torch, name))
         attn = model.model.layers[0].self_attn
-        out[name] = drafter_outputs(model, case)
+        with TRACE.recording() if TREE else nullcontext():
+            out[name] = drafter_outputs(model, case)
         out[name]["layers"] = [f"{type(m).__module__}.{type(m).__name__}.{m._forward_method.__name__}"
                                for m in (attn.rotary_emb, attn.q_norm)]
+if TREE:
+    out["trace"] = TRACE.records()
 torch.save(out, OUT)
 print("done")
 '''
-ON_THE_TREE = "from tests.support.gaudi import hpu_layers\nhpu_layers.install()\n" + DRAFTER_RUN
+# The trace is made before the drafter is built: its layers bind their forward methods then.
+ON_THE_TREE = ("from tests.support.gaudi import hpu_layers\nhpu_layers.install()\n"
+               "from tests.support.gaudi.trace import Trace\nTRACE = Trace()\n" + DRAFTER_RUN)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +110,16 @@ def test_the_drafter_reaches_the_trees_layers(on_tree, on_cpu):
             "vllm_gaudi.ops.hpu_rotary_embedding.HPURotaryEmbedding.forward_oot",
             "vllm_gaudi.ops.hpu_layernorm.HPURMSNorm.forward_oot"]
         assert not any("vllm_gaudi" in layer for layer in on_cpu[name]["layers"]), on_cpu[name]["layers"]
+
+
+def test_the_trace_table_lists_what_the_drafter_reached(on_tree):
+    """beam_hpu/runtime/README.md's tree-trace table, its rows reached by the drafter, against what
+    this run's drafter called in both dtypes (tests/support/gaudi/trace.py)."""
+    trace_table.keep(on_tree["trace"], "drafter")
+    assert on_tree["trace"], "the trace recorded nothing"
+    stale = trace_table.differences(on_tree["trace"], "drafter")
+    assert stale == [], ("the tree-trace table is not this run's (python -m tests.support.gaudi.trace_table "
+                         "--write):\n" + "\n".join(stale))
 
 
 def bound(dtype: str) -> float:

@@ -35,6 +35,8 @@ REACHERS = {"Beam": "tests/model/test_tree_beam_layers.py",
 HEADER = ("override or Habana op", "tree file and function",
           "stand-in (`tests/support/gaudi/habana_ops.py`) and the Habana source it cites", "reached by",
           "card-check")
+# The columns a reacher's rows are compared by (besides the two that name a row).
+COMPARED = ("stand-in", "card-check")
 
 # The card-check row (beam_hpu/cardcheck/README.md's premise) that runs an override or Habana op on a
 # card, by the trace's name for it; anything not here is "no". `dflash2_block` times the DFlash2
@@ -149,8 +151,9 @@ def differences(trace: list[dict], reacher: str, text: str | None = None) -> lis
         elif key not in expected:
             out.append(f"only in the table: {' | '.join(key + table[key])}")
         elif expected[key] != table[key]:
-            out.append(f"differs: {' | '.join(key)}: the table says {' | '.join(table[key])}; "
-                       f"the trace gives {' | '.join(expected[key])}")
+            cells = [f"{column}: the table says {said}, the trace gives {given}"
+                     for column, said, given in zip(COMPARED, table[key], expected[key]) if said != given]
+            out.append(f"differs: {' | '.join(key)}: {'; '.join(cells)}")
     return out
 
 

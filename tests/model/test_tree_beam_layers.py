@@ -15,7 +15,9 @@ runner file): the first RotaryEmbedding it finds prepared once from the step's p
 
 Here the model runs once on a prompt and every compared module's inputs are kept; both sides then
 call each module on exactly those inputs, so a module's difference is its own. The whole model also
-runs on both sides, its logits compared.
+runs on both sides, its logits compared. What that forward called of vllm-gaudi's overrides and
+the Habana ops is traced (tests/support/gaudi/trace.py) and must be the Beam rows of the table in
+beam_hpu/runtime/README.md.
 
 Habana kernels: hpex FusedRMSNorm and apply_rotary_pos_emb, and torch.ops.hpu.mixture_of_experts
 (the fused_weights overload), are tests/support/gaudi/habana_ops.py's stand-ins after the bridge's
@@ -126,7 +128,8 @@ adapter_rope = [i for i, layer in enumerate(model.model.layers)
 torch.save({"out": out, "logits": logits, "batched": batched, "routing": routed, "build_mock_calls": build_mock_calls,
             "prepared": prepared, "adapter_rope": adapter_rope, "missing": hpu_ops.missing,
             "bridged": bridged, "reached": bl.reached(model), "tree_calls": sorted(calls.seen),
-            "mock_calls": mock_calls, "trace": trace.records(), "shared_rope": bl.shared_rope(model), "eps": bl.norm_eps(model)}, OUT)
+            "mock_calls": mock_calls, "shared_rope": bl.shared_rope(model), "eps": bl.norm_eps(model),
+            "trace": trace.records()}, OUT)
 print("done")
 '''
 

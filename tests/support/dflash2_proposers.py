@@ -92,6 +92,7 @@ def cpu_proposer(model, req_ids, *, window: int | None = None, max_model_len: in
     p.vllm_config, p.num_speculative_tokens = VllmConfig(), 0
     p._enable_probabilistic_draft_probs = sample_walks
     p.tokens, p.prefix = {}, None if block_size is None else PrefixContexts(block_size, 1 << 20)
+    p.restored_once = False
     p.max_model_len = max_model_len or model.config.max_position_embeddings
     p.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=list(req_ids)), requests={})
     for r in req_ids:

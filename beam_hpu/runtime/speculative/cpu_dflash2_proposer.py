@@ -29,6 +29,7 @@ exact in distribution. A batch of greedy requests only walks greedily, as vLLM's
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -39,6 +40,9 @@ from beam_hpu.runtime.speculative.dflash2_prefix import PrefixContexts, RequestT
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+
+logger = logging.getLogger("vllm." + __name__)  # vLLM's handler prints it in the engine's log
 
 
 class CpuDFlash2Proposer(DFlashProposer):
@@ -59,6 +63,7 @@ class CpuDFlash2Proposer(DFlashProposer):
         # Each request's tokens (None: not known, e.g. prompt embeddings) and the kept block rows.
         self.tokens: dict[str, RequestTokens | None] = {}
         self.prefix: PrefixContexts | None = None
+        self.restored_once = False  # the first restore is logged
 
     def _create_draft_vllm_config(self):
         # DFlash v1's override only picks a non-causal vLLM attention backend; this drafter has none.
@@ -134,6 +139,11 @@ class CpuDFlash2Proposer(DFlashProposer):
                     restored = self.prefix.restore(self.tokens[req_id].keys, first, self.window)
                     if restored is not None:
                         self.contexts[req_id] = restored
+                        if not self.restored_once:
+                            self.restored_once = True
+                            logger.info("cpu-dflash2-proposer: a request starting at position %d (a prefix-cache "
+                                        "hit) took back %d context rows of kept blocks", first,
+                                        restored.positions.numel())
             return
         if self.tokens[req_id] is not None:
             self.tokens[req_id].rewind_and_append(first, ids.tolist(), self.prefix.block_size)

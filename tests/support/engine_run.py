@@ -11,6 +11,10 @@ Jobs:
   {"prompt_logprobs": [ids]}             -> logprob of each prompt token given its prefix
   {"greedy": [ids], "max_tokens": n}     -> greedy token ids and their logprobs
   {"decode_vs_prefill": [ids], "max_tokens": n} -> decoded logprobs and the same tokens' prompt logprobs
+  {"greedy_distributions": [ids], "max_tokens": n} -> greedy token ids and, per step, the whole
+                                            vocabulary's values in the engine's logprobs_mode (with
+                                            engine_kwargs logprobs_mode "raw_logits": the logits;
+                                            needs max_logprobs -1 or >= vocab)
   {"dump_state": DIR}                    -> each worker saves its model's tensors as loaded (before
                                             post-processing) to DIR/rank{r}.pt;
                                             returns [{rank, path, load_report}] (load_report: what
@@ -149,6 +153,12 @@ def run_one(spec: dict) -> dict:
             o = out[0].outputs[0]
             results.append({"tokens": list(o.token_ids),
                             "logprobs": [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]})
+        elif "greedy_distributions" in job:
+            out = llm.generate([{"prompt_token_ids": job["greedy_distributions"]}],
+                               SamplingParams(max_tokens=job["max_tokens"], temperature=0, logprobs=-1,
+                                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+            results.append({"tokens": list(out.token_ids),
+                            "distributions": [[lp.logprob for _, lp in sorted(step.items())] for step in out.logprobs]})
         elif "decode_vs_prefill" in job:
             # Greedy-decode past the window, then re-feed prompt + output as one prompt: each decoded
             # token's logprob must equal its prompt logprob (paged decode vs prefill attention).

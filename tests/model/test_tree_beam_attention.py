@@ -10,7 +10,8 @@ the layers are the tree's (HPURMSNorm, HPURotaryEmbedding, the tree's MoE method
 test_tree_beam_layers.py. The KV cache has the tree's layout ([blocks * block size, KV heads, D]
 per key and value, plus the runner's pad block) over a scattered block table; the prompt step's
 metadata comes from the runner's _form_prefill_batch, each decode step's from its
-_create_decode_input_data, and every step goes through the runner's trim_attn_metadata, its
+_create_decode_input_data padded as a node's bucketing pads it (4 rows, 3 of them padding
+writing to the pad block, and 2 pad blocks more), and every step goes through the runner's trim_attn_metadata, its
 HPUAttentionMetadataProcessor and HpuModelAdapter.forward into vLLM's forward context, where the
 tree's patched_attention_forward hands each layer its metadata and cache. So the prompt runs
 ops.prompt_attention (FusedSDPA: the sliding layers with the processor's window bias, the full
@@ -55,6 +56,9 @@ LOGIT_BOUND = 1.0
 STEPS = 32  # the prefill's token and 31 decode steps
 BLOCK_SIZE = 16  # one of HPUAttentionBackendV1's kernel block sizes; the window spans 2-3 blocks
 BLOCK_TABLE = [7, 3, 12, 5, 9, 1]  # the sequence's physical blocks, out of order
+PAD_BLOCK = max(BLOCK_TABLE) + 1  # the runner's pad block: the pool's blocks, then it
+# Each decode step padded as a node's bucketing pads it: 4 rows (3 of padding) and 2 more blocks
+DECODE_BUCKET = (4, 2)
 IMPL = "vllm_gaudi.attention.backends.hpu_attn.HPUAttentionImpl"
 SLIDING = {0: 32, 1: 32, 2: None, 3: 32, 4: None}  # layer: window (config.json layer_types)
 
@@ -87,7 +91,7 @@ def record(module, args, name):
 for name, m in model.named_modules():
     if isinstance(m, Attention):
         m.register_forward_pre_hook(lambda mod, args, name=name: record(mod, args, name))
-run = har.TreeAttentionRun(Path(ROOT), model, config, BLOCK_SIZE, BLOCK_TABLE)
+run = har.TreeAttentionRun(Path(ROOT), model, config, BLOCK_SIZE, BLOCK_TABLE, DECODE_BUCKET)
 with bl.TreeCalls(ROOT) as calls:
     tokens, logits = run.greedy(IDS, STEPS)
 md = [{"is_prompt": bool(m.is_prompt), "block_list": None if m.block_list is None else m.block_list.tolist(),
@@ -130,7 +134,7 @@ def on_tree(prompt, tmp_path_factory):
     tree = port_tree(tmp / "site")
     add_platform_entry_point(tree.root)
     run_stubbed(tree.root, ON_THE_TREE, timeout=900, OUT=str(tmp / "out.pt"), ROOT=str(tree.root), IDS=prompt,
-                STEPS=STEPS, BLOCK_SIZE=BLOCK_SIZE, BLOCK_TABLE=BLOCK_TABLE)
+                STEPS=STEPS, BLOCK_SIZE=BLOCK_SIZE, BLOCK_TABLE=BLOCK_TABLE, DECODE_BUCKET=DECODE_BUCKET)
     return torch.load(tmp / "out.pt")
 
 
@@ -170,16 +174,18 @@ def test_prompt_attention_reaches_fused_sdpa_as_the_processor_masks_it(on_tree, 
 
 def test_decode_steps_read_the_window_and_the_whole_table(on_tree, prompt):
     """Each decode step's metadata as the runner built it: full layers read every block the
-    sequence has written, sliding layers only the blocks their 32-token window reaches."""
+    sequence has written (then the bucket's pad blocks), sliding layers only the blocks their
+    32-token window reaches."""
     prefill, *decodes = on_tree["metadata"]
     assert prefill["is_prompt"] and prefill["block_list"] is None and prefill["window_block_list"] is None
     assert len(decodes) == STEPS - 1
     for step, md in enumerate(decodes):
         position = len(prompt) + step  # the token this step writes and reads up to
         written = BLOCK_TABLE[:position // BLOCK_SIZE + 1]
-        assert not md["is_prompt"] and md["block_list"] == written
-        first = max(0, position - 31) // BLOCK_SIZE
-        assert md["window_block_list"] == BLOCK_TABLE[first:position // BLOCK_SIZE + 1]
+        assert not md["is_prompt"] and md["block_list"] == written + [PAD_BLOCK] * DECODE_BUCKET[1]
+        window = BLOCK_TABLE[max(0, position - 31) // BLOCK_SIZE:position // BLOCK_SIZE + 1]
+        padding = md["window_block_list"][len(window):]
+        assert md["window_block_list"][:len(window)] == window and set(padding) <= {PAD_BLOCK}
 
 
 def test_no_habana_op_without_a_stand_in(on_tree):

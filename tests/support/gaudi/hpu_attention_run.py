@@ -67,7 +67,10 @@ def attention_impls(model) -> dict[str, str]:
 class TreeAttentionRun:
     """One sequence prefilled, then decoded a token per step, through the tree's backend."""
 
-    def __init__(self, root: Path, model, vllm_config, block_size: int, block_table: list[int]):
+    def __init__(self, root: Path, model, vllm_config, block_size: int, block_table: list[int],
+                 decode_bucket: tuple[int, int] = (1, 0)):
+        """decode_bucket: (batch, extra blocks) every decode step is padded to, as a node's
+        bucketing pads it (padding rows write to the pad block; extra blocks are the pad block)."""
         from vllm.forward_context import set_forward_context
         from vllm.model_executor.layers.attention.attention import Attention
         from vllm.v1.worker.utils import bind_kv_cache
@@ -76,7 +79,7 @@ class TreeAttentionRun:
         from vllm_gaudi.v1.attention.backends.hpu_attn import HPUAttentionBackendV1, HPUAttentionMetadataV1
 
         self.model, self.vllm_config, self.block_size = model, vllm_config, block_size
-        self.block_table = list(block_table)
+        self.block_table, self.decode_bucket = list(block_table), decode_bucket
         self.num_blocks = max(block_table) + 1  # the pool; the runner's pad block is this id
         self.runner_path = root / RUNNER
         self.metadata_cls = HPUAttentionMetadataV1
@@ -144,31 +147,36 @@ class TreeAttentionRun:
             num_mamba_like_layers=0, pin_memory=False, device="cpu", dtype=vllm_config.model_config.dtype)
         self.metadata: list = []  # every step's metadata as the runner built it
 
-    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor:
-        """The adapter's forward ([B, S] ids and positions), then logits of the last row."""
+    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor, metadata, logits_indices) -> torch.Tensor:
+        """The adapter's forward ([B, S] ids and positions), then logits of the sequence's row (the
+        step's logits_indices, as the runner selects them)."""
         from vllm.config import set_current_vllm_config
 
         self.metadata.append(metadata)
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             hidden = self.adapter_forward(input_ids=token_ids, positions=positions,
                                           attn_metadata=self.trim(metadata))
-            return self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1])[-1:]).float()[0]
+            row = hidden.reshape(-1, hidden.shape[-1])[logits_indices[:1].long()]
+            return self.model.compute_logits(row).float()[0]
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         contents = SimpleNamespace(req_ids=["0"], token_ids=[list(ids)], context_lens=[0],
                                    blocks=[self.block_table], logits_positions=[[len(ids) - 1]])
         batch = self.form_prefill(self.runner, contents)
         self.length = len(ids)
-        return self._forward(batch.token_ids[0], batch.position_ids[0], batch.attn_metadata[0])
+        return self._forward(batch.token_ids[0], batch.position_ids[0], batch.attn_metadata[0],
+                             batch.logits_indices[0])
 
     def decode(self, token: int) -> torch.Tensor:
-        step = decode_step(self.runner_path, block_table=torch.tensor([self.block_table], dtype=torch.int32),
+        table = torch.zeros((self.decode_bucket[0], len(self.block_table)), dtype=torch.int32)  # padding rows: 0
+        table[0] = torch.tensor(self.block_table, dtype=torch.int32)
+        step = decode_step(self.runner_path, block_table=table,
                            context_lens=[self.length], num_tokens=[1], token_ids=[[token]],
                            block_size=self.block_size, window=self.processor.sliding_window,
-                           num_kv_blocks=self.num_blocks, bucketing=PaddedBatch(1))
+                           num_kv_blocks=self.num_blocks, bucketing=PaddedBatch(*self.decode_bucket))
         metadata = self.metadata_cls.make_decode_metadata(**vars(step.attn_metadata))
         self.length += 1
-        return self._forward(step.token_ids, step.position_ids, metadata)
+        return self._forward(step.token_ids, step.position_ids, metadata, step.logits_indices)
 
     def greedy(self, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
         """(the prompt's greedy continuation, each token's logits [steps, V]): the prefill's

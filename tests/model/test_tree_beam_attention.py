@@ -13,7 +13,10 @@ metadata comes from the runner's _form_prefill_batch, each decode step's from it
 _create_decode_input_data padded as a node's bucketing pads it (4 rows, 3 of them padding
 writing to the pad block, and 2 pad blocks more), and every step goes through the runner's trim_attn_metadata, its
 HPUAttentionMetadataProcessor and HpuModelAdapter.forward into vLLM's forward context, where the
-tree's patched_attention_forward hands each layer its metadata and cache. So the prompt runs
+tree's patched_attention_forward hands each layer its metadata and cache. The same prompt also
+runs in two chunks on a fresh cache, the second prefilling after 40 tokens of context (full
+layers: the runner's past mask over the context block list; sliding layers: the port's
+beam-exact-window context list and bias, through its beam-fsdpa-tiles). So the prompt runs
 ops.prompt_attention (FusedSDPA: the sliding layers with the processor's window bias, the full
 layers causal with valid lengths) and every decode step ops.flat_pa (sliding layers over the
 window block list the port's beam-exact-window builds, full layers over the whole block list).
@@ -31,12 +34,14 @@ mixture_of_experts (fused_weights) after the bridge's source; any other torch.op
 for is an AttributeError naming it, recorded, and fails the test. On the Gaudi 2 the recipe runs
 (VLLM_HW gaudi2) the tree's decode path uses no fused block-softmax kernel (features.py: the
 adjustment needs gaudi3, block_softmax is off), so flat_pa is the tree's plain torch.
-Not covered here: a prompt padded to a bucket (the runner pads slots with -1, which the card's
-index_copy_ takes and CPU torch refuses), batches of several sequences, chunked prefill.
+Not covered here: a prompt padded to a bucket, or a context block list padded past the blocks a
+sequence has (the runner pads token ids, slots and block ids with -1, which the card's embedding,
+index_copy_ and index_select take and CPU torch refuses), and batches of several sequences.
 
 Bound: whole-model logits LOGIT_BOUND = 1.0, as test_tree_beam_layers.py (no Habana tolerance
 composes through a model; each kernel's own card tolerance is what that test holds module by
-module). Measured on this prompt: 0.39 after the prefill, at most 0.17 over the 31 decode steps.
+module). Measured on this prompt: 0.39 after the prefill, at most 0.17 over the 31 decode steps,
+the same for the chunked prompt.
 Greedy tokens: equal at every step; a step where they differ is allowed only where vLLM-CPU's own
 top-2 margin (beam_hpu/tiny/margins.py's gap, in logits) is within twice the bound, the tree's
 token within the bound of vLLM-CPU's best, and every token before it equal; the comparison stops
@@ -59,6 +64,10 @@ BLOCK_TABLE = [7, 3, 12, 5, 9, 1]  # the sequence's physical blocks, out of orde
 PAD_BLOCK = max(BLOCK_TABLE) + 1  # the runner's pad block: the pool's blocks, then it
 # Each decode step padded as a node's bucketing pads it: 4 rows (3 of padding) and 2 more blocks
 DECODE_BUCKET = (4, 2)
+# The chunked prompt's first chunk: its 40 tokens fill 3 blocks, all of which the second chunk's
+# first query (position 40) reaches through its 32-token window (no padded block-list entry:
+# the runner pads those with -1, which the card's gather takes and CPU torch refuses)
+CHUNKS = (40,)
 IMPL = "vllm_gaudi.attention.backends.hpu_attn.HPUAttentionImpl"
 SLIDING = {0: 32, 1: 32, 2: None, 3: 32, 4: None}  # layer: window (config.json layer_types)
 
@@ -97,9 +106,17 @@ with bl.TreeCalls(ROOT) as calls:
 md = [{"is_prompt": bool(m.is_prompt), "block_list": None if m.block_list is None else m.block_list.tolist(),
        "window_block_list": None if m.window_block_list is None else m.window_block_list.tolist()}
       for m in run.metadata]
-torch.save({"tokens": tokens, "logits": logits, "impls": har.attention_impls(model), "ran": ran,
-            "fsdpa": fsdpa.calls, "mixed_out_matmuls": card_matmul.mixed_out_calls, "missing": hpu_ops.missing,
-            "metadata": md, "tree_calls": sorted(calls.seen)}, OUT)
+whole = {"tokens": tokens, "logits": logits, "ran": ran[:], "fsdpa": fsdpa.calls[:],
+         "mixed_out_matmuls": card_matmul.mixed_out_calls, "metadata": md}
+# The same prompt in two chunks (a fresh cache): the second prefills after context in the cache
+fsdpa.calls.clear()
+chunked_run = har.TreeAttentionRun(Path(ROOT), model, config, BLOCK_SIZE, BLOCK_TABLE, DECODE_BUCKET)
+chunked_tokens, chunked_logits = chunked_run.greedy(IDS, STEPS, chunks=CHUNKS)
+chunked = {"tokens": chunked_tokens, "logits": chunked_logits, "fsdpa": fsdpa.calls[:],
+           "context_block_lists": [(m.block_list.tolist(), m.window_block_list.tolist())
+                                   for m in chunked_run.metadata[1:1 + len(CHUNKS)]]}
+torch.save({**whole, "chunked": chunked, "impls": har.attention_impls(model), "missing": hpu_ops.missing,
+            "tree_calls": sorted(calls.seen)}, OUT)
 print("done")
 '''
 
@@ -134,7 +151,8 @@ def on_tree(prompt, tmp_path_factory):
     tree = port_tree(tmp / "site")
     add_platform_entry_point(tree.root)
     run_stubbed(tree.root, ON_THE_TREE, timeout=900, OUT=str(tmp / "out.pt"), ROOT=str(tree.root), IDS=prompt,
-                STEPS=STEPS, BLOCK_SIZE=BLOCK_SIZE, BLOCK_TABLE=BLOCK_TABLE, DECODE_BUCKET=DECODE_BUCKET)
+                STEPS=STEPS, BLOCK_SIZE=BLOCK_SIZE, BLOCK_TABLE=BLOCK_TABLE, DECODE_BUCKET=DECODE_BUCKET,
+                CHUNKS=CHUNKS)
     return torch.load(tmp / "out.pt")
 
 
@@ -192,15 +210,34 @@ def test_no_habana_op_without_a_stand_in(on_tree):
     assert on_tree["missing"] == []
 
 
-def test_greedy_decode_on_the_trees_backend_is_vllm_cpus(on_tree, on_cpu):
-    cpu, tree = on_cpu["logits"], on_tree["logits"]
-    assert cpu.shape == tree.shape == (STEPS, 512)
+def _decides_as_vllm_cpu(tree_tokens, tree_logits, on_cpu):
+    cpu = on_cpu["logits"]
+    assert cpu.shape == tree_logits.shape == (STEPS, 512)
     top2 = cpu.topk(2, -1).values
-    flips = [i for i, (a, b) in enumerate(zip(on_tree["tokens"], on_cpu["tokens"])) if a != b]
+    flips = [i for i, (a, b) in enumerate(zip(tree_tokens, on_cpu["tokens"])) if a != b]
     compared = flips[0] + 1 if flips else STEPS  # after a flip the two sequences differ
-    assert (cpu[:compared] - tree[:compared]).abs().max() <= LOGIT_BOUND
+    assert (cpu[:compared] - tree_logits[:compared]).abs().max() <= LOGIT_BOUND
     if flips:
         k = flips[0]
         assert top2[k, 0] - top2[k, 1] <= 2 * LOGIT_BOUND, f"step {k} flipped on a decided token"
-        assert top2[k, 0] - cpu[k, on_tree["tokens"][k]] <= LOGIT_BOUND
-    assert on_tree["tokens"][:compared - bool(flips)] == on_cpu["tokens"][:compared - bool(flips)]
+        assert top2[k, 0] - cpu[k, tree_tokens[k]] <= LOGIT_BOUND
+    assert tree_tokens[:compared - bool(flips)] == on_cpu["tokens"][:compared - bool(flips)]
+
+
+def test_greedy_decode_on_the_trees_backend_is_vllm_cpus(on_tree, on_cpu):
+    _decides_as_vllm_cpu(on_tree["tokens"], on_tree["logits"], on_cpu)
+
+
+def test_a_chunked_prompt_on_the_trees_backend_decides_as_vllm_cpu(on_tree, on_cpu, prompt):
+    """The second chunk's attention reads the first chunk's keys from the cache: full layers
+    through the whole context block list (the runner's past mask), sliding layers through the
+    window context list the port's beam-exact-window trims and its bias."""
+    chunked, s, ctx = on_tree["chunked"], len(prompt), CHUNKS[0]
+    assert chunked["context_block_lists"] == [(BLOCK_TABLE[:3], BLOCK_TABLE[:3])]
+    first = {"q": (1, 4, ctx, 32), "k": (1, 2, ctx, 32)}
+    second = {"q": (1, 4, s - ctx, 32), "k": (1, 2, 3 * BLOCK_SIZE + s - ctx, 32), "is_causal": False,
+              "mask": (1, 1, s - ctx, 3 * BLOCK_SIZE + s - ctx), "valid_seq_len": None}
+    calls = chunked["fsdpa"]
+    assert [{k: c[k] for k in first} for c in calls[:len(SLIDING)]] == [first] * len(SLIDING)
+    assert calls[len(SLIDING):] == [second] * len(SLIDING)
+    _decides_as_vllm_cpu(chunked["tokens"], chunked["logits"], on_cpu)

@@ -159,9 +159,11 @@ class TreeAttentionRun:
             row = hidden.reshape(-1, hidden.shape[-1])[logits_indices[:1].long()]
             return self.model.compute_logits(row).float()[0]
 
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        contents = SimpleNamespace(req_ids=["0"], token_ids=[list(ids)], context_lens=[0],
-                                   blocks=[self.block_table], logits_positions=[[len(ids) - 1]])
+    def prefill(self, ids: list[int], context: int = 0) -> torch.Tensor:
+        """One prompt chunk, ids[context:], after `context` tokens already in the cache (an earlier
+        chunk's); logits of its last token."""
+        contents = SimpleNamespace(req_ids=["0"], token_ids=[list(ids[context:])], context_lens=[context],
+                                   blocks=[self.block_table], logits_positions=[[len(ids) - context - 1]])
         batch = self.form_prefill(self.runner, contents)
         self.length = len(ids)
         return self._forward(batch.token_ids[0], batch.position_ids[0], batch.attn_metadata[0],
@@ -178,10 +180,13 @@ class TreeAttentionRun:
         self.length += 1
         return self._forward(step.token_ids, step.position_ids, metadata, step.logits_indices)
 
-    def greedy(self, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-        """(the prompt's greedy continuation, each token's logits [steps, V]): the prefill's
-        logits choose the first token, each decode step's the next."""
-        logits = [self.prefill(ids)]
+    def greedy(self, ids: list[int], steps: int, chunks: tuple[int, ...] = ()) -> tuple[list[int], torch.Tensor]:
+        """(the prompt's greedy continuation, each token's logits [steps, V]): the prompt prefilled
+        in chunks ending at the given lengths, then the rest; its last logits choose the first
+        token, each decode step's the next."""
+        for end in chunks:
+            self.prefill(ids[:end], context=getattr(self, "length", 0))
+        logits = [self.prefill(ids, context=getattr(self, "length", 0))]
         tokens = [int(logits[-1].argmax())]
         while len(tokens) < steps:
             logits.append(self.decode(tokens[-1]))

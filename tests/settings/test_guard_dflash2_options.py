@@ -152,3 +152,16 @@ def test_the_table_covers_every_key_of_the_installed_vllm():
     assert set().union(*groups) == set(fields)
     for option in so.OPTIONS:
         assert fields[option.key].get_default(call_default_factory=True) == option.default, option.key
+
+
+def test_the_shorthand_speculative_flags_are_guarded_as_the_config_they_make():
+    """vLLM merges --spec-method, --spec-model and --spec-tokens into --speculative-config; the guards
+    read the merged config, so the flags cannot carry a launch past them."""
+    flags = dict(spec_method="dflash", spec_model=str(DFLASH2_DIR), spec_tokens=7)
+    assert problems("hpu", None, **flags) == []
+    assert problems("cpu", {"draft_sample_method": "probabilistic"}, **flags) == []
+    found = problems("hpu", {"draft_sample_method": "probabilistic"}, **flags)
+    assert [p.split(":")[0] for p in found] == ["--speculative-config draft_sample_method 'probabilistic' with "
+                                                "Beam's DFlash2 drafter on HPU"], found
+    other = problems("cpu", None, spec_method="dflash", spec_model=str(TRAINED_DIR))
+    assert len(other) == 1 and "method 'dflash' serves only Beam's DFlash2 drafter" in other[0], other

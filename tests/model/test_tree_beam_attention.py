@@ -76,19 +76,10 @@ IMPL = "vllm_gaudi.attention.backends.hpu_attn.HPUAttentionImpl"
 SLIDING = {0: 32, 1: 32, 2: None, 3: 32, 4: None}  # layer: window (config.json layer_types)
 
 ON_THE_TREE = r'''
-import os
-from tests.support.gaudi.beam_layers import TREE_ENV
-os.environ.update(TREE_ENV)
 import sys, torch
 from pathlib import Path
-# What the tree asks the bridge while it builds, answered as on the node (a Gaudi 2, lazy mode)
-import habana_frameworks.torch.utils.experimental as htexp
-import habana_frameworks.torch.utils.internal as htinternal
-htexp._get_device_type.return_value = htexp.synDeviceType.synDeviceGaudi2
-htinternal.is_lazy.return_value = True
-from tests.support.gaudi import hpu_layers
-hpu_layers.install()
-hpu_ops = hpu_layers.install_hpu_ops()
+from tests.support.gaudi.beam_layers import as_on_the_node
+hpu_ops = as_on_the_node()
 from tests.support.gaudi import hpu_attention_run as har
 fsdpa, card_matmul = har.install_attention_kernels()
 from tests.support.gaudi import beam_layers as bl

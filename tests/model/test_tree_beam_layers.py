@@ -73,19 +73,9 @@ LOGIT_BOUND = 1.0
 UNREAD_MOCK_CALLS = {"synchronize", "mark_step"}
 
 ON_THE_TREE = r'''
-import os
-from tests.support.gaudi.beam_layers import TREE_ENV
-os.environ.update(TREE_ENV)
 import sys, torch
-# What the tree asks the bridge while it builds, answered as on the node (a Gaudi 2, lazy mode)
-# instead of by a MagicMock's truthiness or identity.
-import habana_frameworks.torch.utils.experimental as htexp
-import habana_frameworks.torch.utils.internal as htinternal
-htexp._get_device_type.return_value = htexp.synDeviceType.synDeviceGaudi2
-htinternal.is_lazy.return_value = True
-from tests.support.gaudi import hpu_layers
-hpu_layers.install()
-hpu_ops = hpu_layers.install_hpu_ops()
+from tests.support.gaudi.beam_layers import as_on_the_node
+hpu_ops = as_on_the_node()
 from tests.support.gaudi.trace import Trace
 trace = Trace()
 from tests.support.gaudi import beam_layers as bl

@@ -23,6 +23,27 @@ import torch
 TREE_ENV = {"VLLM_HW": "gaudi2", "VLLM_BUILD": "1.23.0", "VLLM_BRIDGE_MODE": "lazy", "PT_HPU_LAZY_MODE": "1",
             "VLLM_CONTIGUOUS_PA": "false", "VLLM_FP32_SOFTMAX": "true"}
 
+
+
+def as_on_the_node():
+    """In a tree child, before Beam is built: the recipe's environment (TREE_ENV), the bridge's
+    answers to what the tree asks while it builds, as on the node (a Gaudi 2, lazy mode) instead of
+    by a MagicMock's truthiness or identity, vllm-gaudi's platform and ops (hpu_layers.install) and
+    the torch.ops.hpu stand-ins. Returns those stand-ins (what the forward asked for and missed)."""
+    import os
+
+    os.environ.update(TREE_ENV)
+    import habana_frameworks.torch.utils.experimental as htexp
+    import habana_frameworks.torch.utils.internal as htinternal
+
+    from tests.support.gaudi import hpu_layers
+
+    htexp._get_device_type.return_value = htexp.synDeviceType.synDeviceGaudi2
+    htinternal.is_lazy.return_value = True
+    hpu_layers.install()
+    return hpu_layers.install_hpu_ops()
+
+
 # Modules compared one by one, per decoder layer (the names under model.layers.{i}.)
 LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                  "post_feedforward_layernorm", "self_attn.qkv_proj", "self_attn.q_norm", "self_attn.k_norm",

@@ -129,8 +129,22 @@ def greedy_walk(scores: torch.Tensor, candidate_ids: torch.Tensor) -> tuple[torc
     return torch.stack(tokens, dim=1), torch.stack(rows, dim=1)
 
 
+GREEDY_BELOW = 1e-5  # vLLM's sampling epsilon: a temperature below it samples greedily
+
+
+def exponential_noise(requests: int, positions: int, candidates: int,
+                      generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exp(1) draws [R, N, K] for `sampled_walk`: a seeded request's (row i of `generators`) from
+    its own generator, so its drafts repeat with its seed; the others' from torch's."""
+    noise = torch.empty(requests, positions, candidates).exponential_()
+    for i, generator in generators.items():
+        if i < requests:
+            noise[i].exponential_(generator=generator)
+    return noise
+
+
 def sampled_walk(scores: torch.Tensor, candidate_ids: torch.Tensor, temperature: torch.Tensor,
-                 noise: torch.Tensor, greedy_below: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+                 noise: torch.Tensor, greedy_below: float = GREEDY_BELOW) -> tuple[torch.Tensor, torch.Tensor]:
     """The selector's path sampled (upstream's `draft_sample_method: probabilistic`): tokens [R, N]
     and the distribution each was drawn from over its K candidates [R, N, K].
 

@@ -316,8 +316,8 @@ def dflash2_options(launch: Launch) -> list[str]:
     but what the path does anyway: refused naming the key and what is supported, instead of served
     as if it were not there. `beam_hpu.settings.speculative_options` holds, key by key, who reads
     what (on both devices: rejection_sample_method 'block', the drafter build options, other
-    methods' options; on HPU also draft_sample_method 'probabilistic', which only the CPU proposer
-    samples, and the ones vLLM's V1 runner reads on CPU but vllm-gaudi does not). For a Beam
+    methods' options; on HPU also the ones vLLM's V1 runner reads on CPU but vllm-gaudi does not).
+    For a Beam
     target (a launch the guards see; a target whose config.json names another model type is left
     to vLLM) with Beam's DFlash2 drafter (another drafter is rule dflash_drafter's)."""
     settings = _speculative_settings(launch.speculative())

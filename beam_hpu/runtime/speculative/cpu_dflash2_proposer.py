@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from beam_hpu.model.dflash2 import DFlash2Context, drafter_config_file, mask_token_id
+from beam_hpu.model.dflash2_ops import exponential_noise
 from beam_hpu.runtime.speculative import dflash2_context
 from beam_hpu.runtime.speculative.dflash2_prefix import PrefixContexts, RequestTokens
 from vllm.forward_context import set_forward_context
@@ -189,17 +190,6 @@ class CpuDFlash2Proposer(DFlashProposer):
     def _samples(self, sampling) -> bool:
         return (sampling is not None and self._enable_probabilistic_draft_probs and not sampling.all_greedy
                 and sampling.temperature is not None)
-
-
-def exponential_noise(requests: int, positions: int, candidates: int,
-                      generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Exp(1) draws [R, N, K] for the sampled walk: a seeded request's from its own generator (its
-    drafts repeat with its seed), the others' from torch's."""
-    noise = torch.empty(requests, positions, candidates).exponential_()
-    for i, generator in generators.items():
-        if i < requests:
-            noise[i].exponential_(generator=generator)
-    return noise
 
 
 def over_vocabulary(dists: torch.Tensor, candidate_ids: torch.Tensor, vocab: int) -> torch.Tensor:

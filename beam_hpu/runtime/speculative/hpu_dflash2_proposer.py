@@ -17,10 +17,15 @@ that a card compiles and captures one graph per decode batch bucket and block:
   older than the window, go to the ring's spare slot), uncaptured;
 - the block: the bonus token and k mask tokens after each request's last accepted position, rows
   past max_model_len clamped and masked (`dflash2_context.block_inputs`), then the selector's
-  greedy walk.
+  walk: greedy, or with `draft_sample_method: probabilistic` sampled at each request's
+  temperature (the runner's input batch) when a step has a sampled request, with noise drawn on
+  the host as the CPU proposer draws it (`exponential_noise`: a seeded request's from its
+  generator) and handed in as one more fixed-shape input.
 
-Drafts are point masses, as the runner's other drafters': the port's `beam-sampled-verify` and
-`beam-grammar-verify` verify them unchanged.
+Drafts go to verification as point masses, as the runner's other drafters': the port's
+`beam-sampled-verify` and `beam-grammar-verify` verify them unchanged. That stays exact for a
+sampled walk (a point-mass verifier is exact whatever drew the draft); it accepts less often than
+dividing by the draft's probability, which vllm-gaudi's verify step does not take.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from torch import nn
 
 from beam_hpu.model.dflash2 import DFlash2ConfigError, drafter_config_file, mask_token_id, target_aux_layer_ids
+from beam_hpu.model.dflash2_ops import GREEDY_BELOW, exponential_noise
 from beam_hpu.runtime.speculative import dflash2_context
 from beam_hpu.runtime.speculative.dflash2_ring import ContextRing, SlotTable
 
@@ -47,9 +53,11 @@ class DFlash2Step(nn.Module):
         self.mask_token_id = int(drafter.mask_token_id)
 
     def forward(self, states: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor,
-                bonus: torch.Tensor) -> torch.Tensor:
+                bonus: torch.Tensor, temperature: torch.Tensor | None = None,
+                noise: torch.Tensor | None = None) -> torch.Tensor:
         """states [R * T, n * H] (the target's auxiliary states, rows in positions' order), positions
-        and valid [R, T], slots and bonus [R] -> drafts [R, block - 1]."""
+        and valid [R, T], slots and bonus [R] -> drafts [R, block - 1]; with temperature [R] and
+        exponential noise [R, block - 1, K] the walk is sampled."""
         # padding rows carry position -1 (prefill) or 0: inside the RoPE table, stored nowhere
         keys, values = self.drafter.context_kv(self.drafter.combine_hidden_states(states),
                                                positions.clamp(min=0).reshape(-1))
@@ -58,7 +66,10 @@ class DFlash2Step(nn.Module):
         ids, block_pos, in_range = dflash2_context.block_inputs(bonus, last, self.block, self.mask_token_id,
                                                                 self.max_model_len)
         hidden = self.drafter(ids, block_pos, self.ring.context(slots, last, in_range))
-        tokens, _, _ = self.drafter.draft_greedy(hidden, ids[:, 0])
+        if temperature is None:
+            tokens, _, _ = self.drafter.draft_greedy(hidden, ids[:, 0])
+        else:
+            tokens, _, _ = self.drafter.draft_sampled(hidden, ids[:, 0], temperature, noise)
         return tokens
 
 
@@ -82,6 +93,7 @@ class HpuDFlash2Proposer:
         # The target's layers whose outputs the drafter reads (the runner asks for these).
         self.target_aux_layer_ids = tuple(target_aux_layer_ids(draft))
         self.slots = SlotTable(int(vllm_config.scheduler_config.max_num_seqs))
+        self.sample_walks = getattr(spec, "draft_sample_method", "greedy") == "probabilistic"
         self.step: nn.Module | None = None
 
     def load_model(self, target_model: nn.Module) -> None:
@@ -156,7 +168,7 @@ class HpuDFlash2Proposer:
             positions = torch.nn.functional.pad(positions, (0, width - per))
             valid = torch.nn.functional.pad(valid, (0, width - per))
         drafts = self._run(self.step, states.reshape(batch * width, -1), positions, valid.to(positions.device),
-                           owners, bonus)
+                           owners, bonus, runner)
         return drafts[:num_decodes]
 
     def _prefill(self, runner, sampled_token_ids, aux_states, req_ids, positions) -> torch.Tensor:
@@ -167,18 +179,36 @@ class HpuDFlash2Proposer:
             bonus[r] = tokens[-1] if tokens else 0  # a chunk short of the prompt's end: drafts unused
         owners = list(req_ids) + [None] * (bs - len(req_ids))
         positions = positions.long()
-        drafts = self._run(self.eager_step, _rows(aux_states, bs * T), positions, positions >= 0, owners, bonus)
+        drafts = self._run(self.eager_step, _rows(aux_states, bs * T), positions, positions >= 0, owners, bonus,
+                           runner)
         return drafts[:len(req_ids)]
 
-    def _run(self, step, states, positions, valid, owners, bonus) -> torch.Tensor:
+    def _run(self, step, states, positions, valid, owners, bonus, runner=None) -> torch.Tensor:
         slots, new = self.slots.assign(owners)
         device = positions.device
         for slot in new:
             self.ring.clear(torch.tensor([slot], device=device))
         from vllm.forward_context import set_forward_context
 
+        walk = self._sampled_walk_inputs(runner, owners) if self.sample_walks and runner is not None else ()
         with set_forward_context(None, self.vllm_config, num_tokens=states.shape[0]):
-            return step(states, positions, valid, torch.tensor(slots, device=device), bonus.to(device))
+            return step(states, positions, valid, torch.tensor(slots, device=device), bonus.to(device),
+                        *(t.to(device) for t in walk))
+
+    def _sampled_walk_inputs(self, runner, owners: list[str | None]) -> tuple[torch.Tensor, ...]:
+        """(temperature [R], noise [R, k, K]) when a request of the step samples, else (): a greedy
+        step keeps the greedy graph. Temperatures from vllm-gaudi's input batch (below 0: greedy),
+        padding rows greedy; a seeded request's noise from its generator."""
+        batch = runner.input_batch
+        index = [batch.req_id_to_index.get(owner) if owner is not None else None for owner in owners]
+        temperature = torch.tensor([max(float(batch.temperature_cpu[i]), 0.0) if i is not None else 0.0
+                                    for i in index])
+        if not bool((temperature >= GREEDY_BELOW).any()):
+            return ()
+        generators = {row: batch.generators[i] for row, i in enumerate(index)
+                      if i is not None and i in getattr(batch, "generators", {})}
+        top_k = self.step.drafter.model.candidate_selector.top_k
+        return temperature, exponential_noise(len(owners), self.num_speculative_tokens, top_k, generators)
 
 
 def _rows(states: list[torch.Tensor], rows: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """`draft_sample_method: probabilistic` for Beam's DFlash2 drafter: the selector's walk sampled
-(beam_hpu.model.dflash2_ops.sampled_walk) and the CPU proposer handing verification the
-distributions its drafts were drawn from.
+(beam_hpu.model.dflash2_ops.sampled_walk), the CPU proposer handing verification the
+distributions its drafts were drawn from, and the Gaudi proposer's step sampling as it does.
 
 The walk's law is stated here independently of how it is drawn: the first drafted position's
 candidate a with probability softmax(S[0, 0] / T)[a] (every predecessor there is the bonus
@@ -127,3 +127,35 @@ def test_an_all_greedy_batch_or_greedy_method_hands_no_probabilities(vllm_config
     for sampling, enabled in ((_sampling([0.0, 0.0]), True), (_sampling([1.0, 1.0]), False)):
         drafts, probs = _run(model, sampling, sample_walks=enabled)
         assert probs is None and torch.equal(drafts, greedy)
+
+
+def test_the_gaudi_step_samples_as_the_cpu_proposer(vllm_config):
+    """The Gaudi proposer's step with `draft_sample_method: probabilistic`, on the same prefill of a
+    greedy request and a seeded sampled one, with its temperatures read from vllm-gaudi's input
+    batch (-1 for greedy) and its padding rows: the drafts of the CPU proposer, whose noise is
+    drawn the same way; with the greedy method the sampled request drafts the greedy walk."""
+    import numpy as np
+
+    from tests.support.dflash2_proposers import Runner, hpu_prefill, hpu_proposer
+
+    model = tiny_dflash2()
+    n_states = len(model.config.dflash_config["target_layer_ids"])
+    width = model.model.fc.input_size
+    g = torch.Generator().manual_seed(0)
+    rows = {"a": (0, torch.randn(5, width, generator=g)), "b": (0, torch.randn(4, width, generator=g))}
+    with torch.no_grad():
+        cpu = cpu_proposer(model, ["a", "b"], sample_walks=True)
+        expected = cpu_propose(cpu, 7, [5, 4], torch.cat([torch.arange(5), torch.arange(4)]),
+                               torch.cat([rows["a"][1], rows["b"][1]]), torch.tensor([3, 4]),
+                               sampling=_sampling([0.0, 1.0], {1: torch.Generator().manual_seed(9)}))
+        drafts = {}
+        for method in ("probabilistic", "greedy"):
+            gaudi = hpu_proposer(model, 7)
+            gaudi.sample_walks = method == "probabilistic"
+            runner = Runner(["a", "b"])
+            runner.input_batch.temperature_cpu = np.array([-1.0, 1.0], dtype=np.float32)
+            runner.input_batch.generators = {1: torch.Generator().manual_seed(9)}
+            drafts[method] = hpu_prefill(gaudi, runner, rows, {"a": 3, "b": 4}, n_states)
+    assert torch.equal(drafts["probabilistic"], expected)
+    assert torch.equal(drafts["greedy"][0], expected[0])
+    assert not torch.equal(drafts["greedy"][1], expected[1])  # b's sampled walk left the greedy one

@@ -88,6 +88,31 @@ def drafter_outputs(model, case: dict) -> dict:
     ids, positions, in_range = dflash2_context.block_inputs(case["bonus"], last, case["block"], model.mask_token_id,
                                                             model.config.max_position_embeddings)
     hidden = model(ids, positions, DFlash2Context(keys, values, ctx_positions, valid, in_range))
+    drafts, rows, _ = model.draft_greedy(hidden, ids[:, 0])
+    top = rows.float().topk(2, dim=-1).values
     return {"q": q, "k": k, "v": v, "context_keys": keys, "context_values": values, "hidden": hidden,
-            "drafts": model.draft_greedy(hidden, ids[:, 0])[0], "block_positions": positions}
+            "drafts": drafts, "margins": top[..., 0] - top[..., 1], "block_positions": positions}
+
+
+# How far apart two sides' selector scores may be and still be the same walk: one bf16 rounding
+# (2**-8) of a score at the drafter's logit soft cap (30), where the scores' magnitudes end; in
+# float32 the hidden states agree to ~1e-5, so a thousandth.
+FLIP_BOUND = {torch.bfloat16: 30 * 2.0**-8, torch.float32: 1e-3}
+
+
+def draft_disagreements(got: torch.Tensor, want: torch.Tensor, want_margins: torch.Tensor,
+                        flip_bound: float) -> list[str]:
+    """Drafts [R, N] of two sides of one walk, and the reference side's walk margins [R, N] (the
+    chosen candidate's score over the runner-up's): each request's first differing draft, named,
+    unless the reference's margin there is within `flip_bound` (a near-tie the two sides' roundings
+    may break apart; the walk after it follows another path, so the request is not compared on)."""
+    problems = []
+    for r in range(got.shape[0]):
+        if torch.equal(got[r], want[r]):
+            continue
+        t = int((got[r] != want[r]).int().argmax())
+        if float(want_margins[r, t]) > flip_bound:
+            problems.append(f"request {r} from draft {t}: {got[r].tolist()} != {want[r].tolist()}, "
+                            f"margin there {float(want_margins[r, t]):.4f} > {flip_bound:.4f}")
+    return problems
 

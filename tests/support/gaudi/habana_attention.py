@@ -28,8 +28,10 @@ import torch
 
 
 class FusedSDPA:
-    """hpex.kernels.FusedSDPA, inference forward only; `calls` records every call's shapes and
-    mode (class-wide: vllm-gaudi holds the class, not an instance)."""
+    """hpex.kernels.FusedSDPA, inference forward only, after the bridge's
+    python_packages/habana_frameworks/torch/hpex/kernels/FusedSDPA.py and the card test's reference
+    (tests/pytest_working/any_mode/FusedSDPA/test_hpu_sdpa.py), as the module says; `calls` records
+    every call's shapes and mode (class-wide: vllm-gaudi holds the class, not an instance)."""
 
     calls: list[dict] = []
 

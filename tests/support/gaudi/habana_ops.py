@@ -33,9 +33,10 @@ def cast_to_fp8_v2(x, scale, fp8_max: float, dtype=torch.float8_e4m3fn):
     return product.to(torch.float32).clamp(-fp8_max, fp8_max).to(dtype)
 
 
-def fp8_gemm_v2(A, trans_A, B, trans_B, out_dtype, A_scale_inv=None, B_scale_inv=None):
-    """torch.ops.hpu.fp8_gemm_v2 without bias or accumulate: the FP8 operands' product (exact),
-    times the A (row) and B (column) inverse scales, in `out_dtype`."""
+def fp8_gemm_v2(A, trans_A, B, trans_B, out_dtype, A_scale_inv=None, B_scale_inv=None, bias=None):
+    """torch.ops.hpu.fp8_gemm_v2 without accumulate: the FP8 operands' product (exact), times the A
+    (row) and B (column) inverse scales, plus `bias` (the card test's reference adds it to the
+    product: test_hpu_fp8_ops.py::test_fp8_gemm_v2), in `out_dtype`."""
     a = A.double().t() if trans_A else A.double()
     b = B.double().t() if trans_B else B.double()
     out = (a @ b).float()
@@ -43,13 +44,15 @@ def fp8_gemm_v2(A, trans_A, B, trans_B, out_dtype, A_scale_inv=None, B_scale_inv
         out = out * torch.as_tensor(A_scale_inv).float()
     if B_scale_inv is not None:
         out = out * torch.as_tensor(B_scale_inv).float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float()
     return out.to(out_dtype)
 
 
 def fused_fp8_moe_eager(hidden_fp8, hidden_scale, routing, router_weights, w12, w12_scale, w3, w3_scale,
                         experts_min: int, experts_max: int, fp8_max: float, dynamic_quant):
     """mixture_of_experts.fp8_fused_weights_dynamic as the bridge's eager decomposition computes it
-    (`mixture_of_experts_fp8_common_dynamic`, namespace habana::eager): for every local expert in
+    (habana_eager/ops/mixture_of_experts.cpp, `mixture_of_experts_fp8_common_dynamic`): for every local expert in
     ascending id order, the gate and up GEMMs to bf16, SwiGLU in bf16 (silu(gate) * up), that
     product quantised per token (scale (amax + 1e-8) / FP8 max, as vllm-gaudi's dynamic_quant),
     the down GEMM to bf16, times the token's router weight for that expert (0 when it did not

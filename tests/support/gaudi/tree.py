@@ -86,6 +86,28 @@ def port_tree(dst: Path, port: bool = True, without: tuple[str, ...] = ()) -> Si
     return SimpleNamespace(root=root, port=port and not without, runner=root / RUNNER)
 
 
+def proxy_port_tree(dst: Path) -> SimpleNamespace:
+    """The release proxy (tests/support/release_proxy.py) copied to `dst` with its port profile
+    applied (the port less the units its PRs break); skips, naming what is missing, without one."""
+    from tests.support.release_proxy import BUILD_PROBLEM, MISSING, PORT_PROFILE as PROXY_PORT, write_proxy_profiles
+
+    if BUILD_PROBLEM:
+        pytest.fail(BUILD_PROBLEM[0], pytrace=False)
+    if not os.environ.get("GAUDI_PROXY_ROOT"):
+        pytest.skip(MISSING)
+    proxy = Path(os.environ["GAUDI_PROXY_ROOT"])
+    head = subprocess.run(["git", "-C", str(proxy), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    (dst / "profiles").mkdir(parents=True)
+    profile = load_profile(PROXY_PORT, write_proxy_profiles(head, dst / "profiles"))
+    root = dst / "site"
+    shutil.copytree(proxy / "vllm_gaudi", root / "vllm_gaudi", ignore=shutil.ignore_patterns("__pycache__"))
+    report = run(profile, roots={"vllm_gaudi": str(root)}, checkouts={"vllm_gaudi": str(proxy)},
+                 only=gaudi_units(profile))
+    assert report.exit_code == EXIT_OK, report.lines
+    return SimpleNamespace(root=root, port=True, runner=root / RUNNER)
+
+
 def stock_and_port(dst: Path) -> tuple[Path, Path]:
     """The roots of two copies under `dst`: the v0.30.0 fixes only ("stock"), and the whole port."""
     return port_tree(dst / "stock", port=False).root, port_tree(dst / "port").root

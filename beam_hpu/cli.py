@@ -6,7 +6,7 @@
   beam-hpu reference CHECKPOINT (--passages FILE | --text F ...) --out REF.json [--fp8-max 448|240] [--workdir DIR]
                      [--kv-scales DIR]
   beam-hpu calibrate-kv CHECKPOINT (--passages FILE | --text F ...) --out DIR [--fp8-max 240|448] [--workdir DIR]
-  beam-hpu card-check [--quick] [--cpu] [--out FILE]
+  beam-hpu card-check [--quick] [--cpu] [--out DIR] [--model PATH] [--switch NAME ...]
 
 `tiny` and `demo`: `beam_hpu.demo.serve`; `demo --replicas`: `beam_hpu.replicas.demo`;
 `reference`: `beam_hpu.gates.stored_reference`; `calibrate-kv`: `beam_hpu.reference.kv_calibration`;

@@ -422,7 +422,7 @@ def dflash2_block(device: Device, shapes: Shapes, drafter: DrafterShapes, tp: in
     return verdicts.dflash2_block(ms, shard)
 
 
-def window_kv(device: Device, shapes: Shapes, batches=(1, 8, 32)) -> verdicts.Verdict:
+def window_kv(device: Device, shapes: Shapes, decode_step_ms: float | None, batches=(1, 8, 32)) -> verdicts.Verdict:
     from types import SimpleNamespace
 
     from beam_hpu.runtime.window_kv.hpu_steps import StepGroups, combine_step_inputs
@@ -440,4 +440,4 @@ def window_kv(device: Device, shapes: Shapes, batches=(1, 8, 32)) -> verdicts.Ve
 
         built = [outs() for _ in range(shapes.repeats + 2)]
         build_ms[batch] = device.median_ms(lambda: combine_step_inputs(built.pop(), groups), shapes.repeats)
-    return verdicts.window_kv_build(build_ms)
+    return verdicts.window_kv_build(build_ms, decode_step_ms)

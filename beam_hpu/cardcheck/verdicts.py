@@ -15,9 +15,8 @@ SPEED_MARGIN = 0.10
 MAX_FP8_STEPS_APART = 2.0
 # The fused op "skips" unrouted experts when 1 routed expert costs at most this share of 32.
 SKIPS_UNROUTED_SHARE = 0.5
-# The port's own share of a grouped step build may take this share of a decode step (34 ms: the
-# recipe's 29.5 tok/s single stream) before it is worth a card profile of its own.
-DECODE_STEP_MS = 1000 / 29.5
+# The port's own share of a grouped step build may take this share of a decode step (the engine
+# A/B's measured batch-1 step of the recipe's engine) before it is worth a card profile of its own.
 STEP_BUILD_SHARE = 0.05
 # A verify step is static when warm-up covered every draft count: no compile after it.
 MAX_COMPILES_AFTER_WARMUP = 0
@@ -26,9 +25,8 @@ MAX_COMPILES_AFTER_WARMUP = 0
 # within SPEED_MARGIN of those is "as assumed".
 ASSUMED_VERIFY_8_RATIO = 1.0
 ASSUMED_BLOCK_SHARE = 0.1
-# The mean accepted length the verdict is stated at: the plan's lowest (2.5 of 2.5 / 3.5 / 4), so
-# "pays" does not rest on a drafter better than the least it expects; the others are figures.
-DFLASH2_ACCEPTED = 2.5
+# The plan's accepted lengths (beam_hpu/runtime/speculative/README.md): reported beside the gain the
+# premise rows model at the accepted length the engine A/B measured; no verdict is stated at them.
 DFLASH2_ACCEPTED_TABLE = (2.5, 3.5, 4.0)
 # Speculation is worth its variant when it beats plain decode by more than the run-to-run spread.
 MIN_SPECULATIVE_GAIN = 1 + SPEED_MARGIN
@@ -152,30 +150,158 @@ def dflash2_gain_model(verify_8_ratio: float, block_share: float, accepted: floa
 
 
 def dflash2_gain(verify_ms_by_rows: dict[int, float], block_ms_by_batch: dict[int, float],
-                 accepted: float = DFLASH2_ACCEPTED) -> Verdict:
-    """--speculative-config dflash at one stream: on when the modelled gain at `accepted` clears
-    MIN_SPECULATIVE_GAIN; the gain at each length of DFLASH2_ACCEPTED_TABLE is reported beside it."""
+                 accepted: float | None) -> Verdict:
+    """The premise rows' model of --speculative-config dflash at one stream, at the accepted length
+    the engine A/B measured from the served drafter (None: not measured, no verdict); the gain at
+    each length of DFLASH2_ACCEPTED_TABLE is reported beside it. A diagnostic: the engine A/B's
+    measured tokens per second are the switch's verdict."""
     one, eight = verify_ms_by_rows[1], verify_ms_by_rows[max(verify_ms_by_rows)]
     ratio, share = eight / one, block_ms_by_batch[1] / one
     gains = {length: dflash2_gain_model(ratio, share, length) for length in DFLASH2_ACCEPTED_TABLE}
-    gain = dflash2_gain_model(ratio, share, accepted)
-    figures = {"verify_8_over_1": ratio, "block_over_verify_1": share, "accepted": accepted, "gain": gain,
+    figures = {"verify_8_over_1": ratio, "block_over_verify_1": share, "accepted": accepted,
                "gain_by_accepted": gains, "assumed": {"verify_8_over_1": ASSUMED_VERIFY_8_RATIO,
                                                       "block_over_verify_1": ASSUMED_BLOCK_SHARE}}
-    arithmetic = f"{accepted} / ({ratio:.2f} + {share:.2f}) = {gain:.2f}x"
+    if accepted is None:
+        return Verdict("dflash2", DFLASH2_SWITCH, "unknown",
+                       "no accepted length measured (the engine A/B's DFlash2 run did not run)", figures)
+    gain = figures["gain"] = dflash2_gain_model(ratio, share, accepted)
+    arithmetic = f"{accepted:.2f} / ({ratio:.2f} + {share:.2f}) = {gain:.2f}x"
     if gain >= MIN_SPECULATIVE_GAIN:
-        return Verdict("dflash2", DFLASH2_SWITCH, "pays", f"single stream at L = {accepted}: {arithmetic}", figures)
+        return Verdict("dflash2", DFLASH2_SWITCH, "pays", f"single stream at measured L: {arithmetic}", figures)
     return Verdict("dflash2", DFLASH2_SWITCH, "off: no gain",
-                   f"single stream at L = {accepted}: {arithmetic}, under {MIN_SPECULATIVE_GAIN:.2f}x", figures)
+                   f"single stream at measured L: {arithmetic}, under {MIN_SPECULATIVE_GAIN:.2f}x", figures)
 
 
-def window_kv_build(build_ms: dict[int, float]) -> Verdict:
-    """BEAM_WINDOW_KV: the port's own share of a grouped step build, per batch size."""
+def window_kv_build(build_ms: dict[int, float], decode_step_ms: float | None) -> Verdict:
+    """BEAM_WINDOW_KV: the port's own share of a grouped step build, per batch size, against the
+    recipe engine's measured batch-1 decode step (None: not measured, no verdict)."""
     worst = max(build_ms.values())
-    figures = {"build_ms_by_batch": build_ms, "decode_step_ms": DECODE_STEP_MS}
-    if worst <= STEP_BUILD_SHARE * DECODE_STEP_MS:
+    figures = {"build_ms_by_batch": build_ms, "decode_step_ms": decode_step_ms}
+    if decode_step_ms is None:
+        return Verdict("window_kv", "BEAM_WINDOW_KV", "unknown",
+                       f"at most {worst:.3f} ms per step; no decode step measured to weigh it against", figures)
+    if worst <= STEP_BUILD_SHARE * decode_step_ms:
         return Verdict("window_kv", "BEAM_WINDOW_KV", "build cost small",
-                       f"at most {worst:.3f} ms per step, under {STEP_BUILD_SHARE:.0%} of a decode step", figures)
+                       f"at most {worst:.3f} ms per step, under {STEP_BUILD_SHARE:.0%} of the measured "
+                       f"{decode_step_ms:.2f} ms decode step", figures)
     return Verdict("window_kv", "BEAM_WINDOW_KV", "build cost large",
-                   f"{worst:.3f} ms per step, over {STEP_BUILD_SHARE:.0%} of a decode step: profile the runner's "
-                   "six builds before turning it on", figures)
+                   f"{worst:.3f} ms per step, over {STEP_BUILD_SHARE:.0%} of the measured {decode_step_ms:.2f} ms "
+                   "decode step: profile the runner's six builds before turning it on", figures)
+
+
+# -- the engine A/B (engine_ab.py): each switch judged from its settings' served figures ----------
+
+def summary(run: dict) -> dict:
+    """The figures a verdict reads from one engine run (engine_run.py's output): decode step ms and
+    compile ms per batch, TTFT per context, tokens per second at one stream, accepted length."""
+    if "error" in run:
+        return {"error": run["error"]}
+    decode = run["decode"]
+    return {"step_ms": {int(b): d["step_ms"] for b, d in decode.items()},
+            "compile_ms": {int(b): d["compile_ms"] for b, d in decode.items()},
+            "ttft_ms": {int(c): ms for c, ms in run["ttft_ms"].items()},
+            "tok_s_1": decode["1"]["tok_s"] if "1" in decode else None,
+            "accepted_length": run.get("accepted_length")}
+
+
+def first_difference(a: dict, b: dict) -> str | None:
+    """Where two engine runs' greedy tokens first differ (batch, request, token), or None."""
+    for batch, run in a["decode"].items():
+        for r, (x, y) in enumerate(zip(run["tokens"], b["decode"][batch]["tokens"])):
+            if x != y:
+                k = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+                return f"batch {batch}, request {r}, token {k}"
+    return None
+
+
+def _ratios(base: dict, other: dict, key: str) -> dict[int, float]:
+    return {k: other[key][k] / base[key][k] for k in base[key] if base[key][k] and other[key].get(k)}
+
+
+def engine_switch(switch: str, kind: str, runs: dict[str, dict], acts_here: bool = True) -> Verdict:
+    """One switch from its engine runs ({setting: engine_run output}, the recipe's first). kind:
+    speed (on pays when batch 1 decodes SPEED_MARGIN faster, no batch is slower by more, greedy
+    tokens equal); cost (a numerics switch: affordable when no batch decodes SPEED_MARGIN slower);
+    prefill (the recipe's FSDPA tiles stay unless the untiled prompt is SPEED_MARGIN faster at every
+    context, or keep them where it fails); choice (the fastest batch-1 setting with the recipe's
+    tokens, when SPEED_MARGIN faster); speculative (pays when tokens per second at one stream gain
+    MIN_SPECULATIVE_GAIN with the recipe's greedy tokens). `acts_here` False: the engine here does
+    not read the switch: "not read here", with the settings' spread as this host's noise."""
+    names = list(runs)
+    recipe = names[0]
+    figures = {name: summary(run) for name, run in runs.items()}
+    for name in names[1:]:
+        if "error" not in runs[name] and "error" not in runs[recipe]:
+            figures[name]["tokens_differ_at"] = first_difference(runs[recipe], runs[name])
+    if "error" in runs[recipe]:
+        return Verdict("engine", switch, "unknown", f"the recipe's engine failed: {runs[recipe]['error']}", figures)
+    base = figures[recipe]
+    if not acts_here:
+        # Its settings served one computation: how far their batch-1 steps spread is this host's
+        # run-to-run noise, which a verdict here would only restate.
+        steps = [f["step_ms"][1] for f in figures.values() if "error" not in f and f["step_ms"].get(1)]
+        spread = max(steps) / min(steps) - 1 if steps else 0.0
+        figures["run_to_run_spread"] = spread
+        return Verdict("engine", switch, "not read here",
+                       f"this engine does not read the switch, so its settings served one computation; their "
+                       f"batch-1 decode steps spread {spread:.0%} (this host's run-to-run noise; "
+                       f"a verdict needs SPEED_MARGIN {SPEED_MARGIN:.0%} above it on the node)", figures)
+
+    def verdict(word: str, why: str) -> Verdict:
+        return Verdict("engine", switch, word, why, figures)
+
+    if kind == "speculative":
+        on = names[1]
+        if "error" in runs[on]:
+            return verdict(f"keep {recipe}", f"{on} failed: {runs[on]['error']}")
+        f = figures[on]
+        gain = f["tok_s_1"] / base["tok_s_1"]
+        f["gain"] = gain
+        said = f"one stream {f['tok_s_1']:.1f} vs {base['tok_s_1']:.1f} tok/s ({gain:.2f}x)"
+        if f["accepted_length"] is not None:
+            said += f", accepted length {f['accepted_length']:.2f}"
+        if f["tokens_differ_at"]:
+            return verdict(f"keep {recipe}", f"greedy tokens differ at {f['tokens_differ_at']}: not lossless; {said}")
+        if gain >= MIN_SPECULATIVE_GAIN:
+            return verdict(f"{on} pays", said)
+        return verdict(f"keep {recipe}", f"{said}, under {MIN_SPECULATIVE_GAIN:.2f}x")
+    if kind == "prefill":
+        on = names[1]
+        if "error" in runs[on]:
+            return verdict(f"keep {recipe}", f"{on} failed where the tiles serve: {runs[on]['error'][:200]}")
+        ratio = _ratios(base, figures[on], "ttft_ms")
+        figures[on]["ttft_ratio"] = ratio
+        if ratio and all(r <= 1 - SPEED_MARGIN for r in ratio.values()):
+            return verdict(f"{on} pays", "the prompt in one call is faster at every context: "
+                           + ", ".join(f"{c}: {r:.2f}x" for c, r in ratio.items()))
+        return verdict(f"keep {recipe}", "untiled TTFT / tiled: " + ", ".join(f"{c}: {r:.2f}x" for c, r in ratio.items()))
+    if kind == "cost":
+        on = names[1]
+        if "error" in runs[on]:
+            return verdict(f"keep {recipe}", f"{on} failed: {runs[on]['error'][:200]}")
+        ratio = _ratios(base, figures[on], "step_ms")
+        figures[on]["step_ratio"] = ratio
+        worst = max(ratio.values())
+        said = "decode step on / off: " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in ratio.items())
+        if worst <= 1 + SPEED_MARGIN:
+            return verdict(f"{on} affordable", said)
+        return verdict(f"keep {recipe}", f"{said}: costs {worst - 1:.0%}")
+    # speed and choice: the candidates that kept the recipe's tokens and ran
+    candidates = {}
+    for name in names[1:]:
+        f = figures[name]
+        if "error" in f or f.get("tokens_differ_at"):
+            continue
+        ratio = _ratios(base, f, "step_ms")
+        f["step_ratio"] = ratio
+        if ratio.get(1, 1.0) <= 1 - SPEED_MARGIN and all(r <= 1 + SPEED_MARGIN for r in ratio.values()):
+            candidates[name] = ratio[1]
+    rejected = {n: figures[n].get("tokens_differ_at") or figures[n].get("error") for n in names[1:]
+                if figures[n].get("tokens_differ_at") or "error" in figures[n]}
+    tail = "".join(f"; {n} not the same output ({why})" for n, why in rejected.items())
+    if candidates:
+        best = min(candidates, key=candidates.get)
+        return verdict(f"{best} pays", f"batch-1 decode step {candidates[best]:.2f}x the recipe's{tail}")
+    steps = ", ".join(f"{n}: {figures[n]['step_ms'].get(1, float('nan')):.2f} ms" for n in names
+                      if "error" not in figures[n])
+    return verdict(f"keep {recipe}", f"no setting decodes {SPEED_MARGIN:.0%} faster at batch 1 ({steps}){tail}")

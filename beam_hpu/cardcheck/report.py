@@ -24,7 +24,8 @@ def switch_table(verdict: dict) -> list[str]:
     batches = sorted({int(b) for f in figures.values() for b in f.get("step_ms", {})})
     contexts = sorted({int(c) for f in figures.values() for c in f.get("ttft_ms", {})})
     header = (["setting"] + [f"decode ms, batch {b}" for b in batches] + [f"compile ms, batch {b}" for b in batches]
-              + [f"TTFT ms, {c} tokens" for c in contexts] + ["tok/s, 1 stream", "accepted length", "greedy tokens"])
+              + [f"TTFT ms, {c} tokens" for c in contexts]
+              + ["start to first token, s", "tok/s, 1 stream", "accepted length", "greedy tokens"])
     lines = [f"### {verdict['switch']}: {verdict['verdict']}", "", verdict["why"], "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for i, name in enumerate(names):
@@ -37,6 +38,7 @@ def switch_table(verdict: dict) -> list[str]:
         accepted = f.get("accepted_length")
         row = ([name] + [_ms(f["step_ms"].get(b)) for b in batches] + [_ms(f["compile_ms"].get(b)) for b in batches]
                + [_ms(f["ttft_ms"].get(c)) for c in contexts]
+               + [f"{f['start_to_first_token_ms'] / 1e3:.1f}" if f.get("start_to_first_token_ms") else "-"]
                + [f"{f['tok_s_1']:.1f}" if f.get("tok_s_1") else "-", f"{accepted:.2f}" if accepted else "-", differ])
         lines.append("| " + " | ".join(row) + " |")
     return lines + [""]

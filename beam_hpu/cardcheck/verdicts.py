@@ -201,7 +201,8 @@ def summary(run: dict) -> dict:
             "compile_ms": {int(b): d["compile_ms"] for b, d in decode.items()},
             "ttft_ms": {int(c): ms for c, ms in run["ttft_ms"].items()},
             "tok_s_1": decode["1"]["tok_s"] if "1" in decode else None,
-            "accepted_length": run.get("accepted_length")}
+            "accepted_length": run.get("accepted_length"),
+            "start_to_first_token_ms": run.get("start_to_first_token_ms")}
 
 
 def first_difference(a: dict, b: dict) -> str | None:
@@ -225,7 +226,8 @@ def engine_switch(switch: str, kind: str, runs: dict[str, dict], acts_here: bool
     prefill (the recipe's FSDPA tiles stay unless the untiled prompt is SPEED_MARGIN faster at every
     context, or keep them where it fails); choice (the fastest batch-1 setting with the recipe's
     tokens, when SPEED_MARGIN faster); speculative (pays when tokens per second at one stream gain
-    MIN_SPECULATIVE_GAIN with the recipe's greedy tokens). `acts_here` False: the engine here does
+    MIN_SPECULATIVE_GAIN with the recipe's greedy tokens); startup (a restart: engine start to first
+    token SPEED_MARGIN faster with the recipe's tokens). `acts_here` False: the engine here does
     not read the switch: "not read here", with the settings' spread as this host's noise."""
     names = list(runs)
     recipe = names[0]
@@ -244,8 +246,8 @@ def engine_switch(switch: str, kind: str, runs: dict[str, dict], acts_here: bool
         figures["run_to_run_spread"] = spread
         return Verdict("engine", switch, "not read here",
                        f"this engine does not read the switch, so its settings served one computation; their "
-                       f"batch-1 decode steps spread {spread:.0%} (this host's run-to-run noise; "
-                       f"a verdict needs SPEED_MARGIN {SPEED_MARGIN:.0%} above it on the node)", figures)
+                       f"batch-1 decode steps spread {spread:.0%}: this host's run-to-run noise, against which "
+                       f"a verdict's {SPEED_MARGIN:.0%} margin would mean nothing", figures)
 
     def verdict(word: str, why: str) -> Verdict:
         return Verdict("engine", switch, word, why, figures)
@@ -265,6 +267,20 @@ def engine_switch(switch: str, kind: str, runs: dict[str, dict], acts_here: bool
         if gain >= MIN_SPECULATIVE_GAIN:
             return verdict(f"{on} pays", said)
         return verdict(f"keep {recipe}", f"{said}, under {MIN_SPECULATIVE_GAIN:.2f}x")
+    if kind == "startup":
+        on = names[1]
+        if "error" in runs[on]:
+            return verdict(f"keep {recipe}", f"{on} failed: {runs[on]['error'][:200]}")
+        f = figures[on]
+        ratio = f["start_to_first_token_ms"] / base["start_to_first_token_ms"]
+        f["startup_ratio"] = ratio
+        said = (f"engine start to first token {f['start_to_first_token_ms'] / 1e3:.1f} s against "
+                f"{base['start_to_first_token_ms'] / 1e3:.1f} s ({ratio:.2f}x)")
+        if f["tokens_differ_at"]:
+            return verdict(f"keep {recipe}", f"greedy tokens differ at {f['tokens_differ_at']}; {said}")
+        if ratio <= 1 - SPEED_MARGIN:
+            return verdict(f"{on} pays", said)
+        return verdict(f"keep {recipe}", said)
     if kind == "prefill":
         on = names[1]
         if "error" in runs[on]:

@@ -31,7 +31,7 @@ def test_every_switchs_first_setting_is_the_recipes():
     recipe_env = {k: str(val) for k, val in load_recipe()["env"].items()}
     for ab in AB_SWITCHES:
         first = ab.settings[0]
-        assert not first.speculative, ab.switch
+        assert not first.speculative and not first.warm, ab.switch
         for name, value in first.env.items():
             assert recipe_env.get(name, VLLM_DEFAULTS.get(name)) == value, (ab.switch, name)
         assert all(s.env or s.speculative for s in ab.settings[1:]), ab.switch
@@ -53,6 +53,7 @@ def test_quick_cpu_run_writes_a_verdict_per_switch_and_premise(tmp_path):
         for name, figures in verdict["figures"].items():
             assert sorted(int(b) for b in figures["step_ms"]) == [1, 4] and all(figures["step_ms"].values())
             assert sorted(int(c) for c in figures["ttft_ms"]) == [256, 1024] and figures["tok_s_1"] > 0
+            assert figures["start_to_first_token_ms"] > 0
     rounding = engine["BEAM_EXACT_ROUNDING"]
     assert rounding["verdict"] in ("1 affordable", "keep 0") and set(rounding["figures"]) == {"0", "1"}
     # DFlash2 measured from the served drafter: it drafted, and greedy output stayed the recipe's.

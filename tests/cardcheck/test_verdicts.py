@@ -128,5 +128,14 @@ def test_dflash2_pays_on_measured_one_stream_speed_and_lossless_tokens():
     assert lossy.verdict == "keep off" and "not lossless" in lossy.why
 
 
+def test_a_warm_recipe_cache_pays_when_a_restart_reaches_its_first_token_sooner():
+    cold = {**run({1: 10.0}), "start_to_first_token_ms": 600_000.0}
+    warm = {**run({1: 10.0}), "start_to_first_token_ms": 120_000.0}
+    paid = v.engine_switch("C", "startup", {"no cache": cold, "warm cache": warm})
+    assert paid.verdict == "warm cache pays" and "600.0 s" in paid.why
+    same = {**run({1: 10.0}), "start_to_first_token_ms": 580_000.0}
+    assert v.engine_switch("C", "startup", {"no cache": cold, "warm cache": same}).verdict == "keep no cache"
+
+
 def test_no_verdict_reads_an_assumed_accepted_length_or_step_time():
     assert not hasattr(v, "DFLASH2_ACCEPTED") and not hasattr(v, "DECODE_STEP_MS")

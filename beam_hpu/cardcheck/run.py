@@ -10,7 +10,7 @@ import platform
 from dataclasses import asdict
 from pathlib import Path
 
-from beam_hpu.cardcheck import engine_ab, premises, report as report_writer, verdicts
+from beam_hpu.cardcheck import engine_ab, premises, report as report_writer, synthetic, verdicts
 from beam_hpu.cardcheck.device import detect
 from beam_hpu.runtime.prefill.hpu_fsdpa_tiles import fsdpa_tile_switches
 
@@ -23,8 +23,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cpu", action="store_true", help="measure on this host's CPU even where a card is present")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help=f"the folder for {JSON_NAME}, {report_writer.REPORT} and its plot (default ./{DEFAULT_OUT})")
-    parser.add_argument("--model", help="the checkpoint the engine A/B serves (on the node: the served one; "
-                                        "default on CPU: the tiny trained Beam quantised to FP8)")
+    parser.add_argument("--model", help="the checkpoint the engine A/B serves (on the node: the served one, "
+                                        "default a 4-layer Beam of the published shapes with random weights; "
+                                        "on CPU: the tiny trained Beam quantised to FP8)")
     parser.add_argument("--drafter", help="the DFlash2 drafter for the speculative setting (default: the tiny one)")
     parser.add_argument("--switch", action="append", dest="switches", metavar="NAME",
                         choices=[ab.switch for ab in engine_ab.AB_SWITCHES],
@@ -32,9 +33,12 @@ def add_arguments(parser) -> None:
 
 
 def _engine_verdicts(device, out: Path, model: str | None, switches, drafter, echo) -> tuple[list, dict]:
-    if device.on_card and model is None:
-        raise SystemExit("card-check on a card needs --model: the checkpoint the recipe serves")
-    model_path = Path(model) if model else engine_ab.cpu_model(out)
+    if model:
+        model_path = Path(model)
+    elif device.on_card:  # no checkpoint on the node: Beam's published shapes, fewer layers
+        model_path = synthetic.write_synthetic(out / "synthetic-beam")
+    else:
+        model_path = engine_ab.cpu_model(out)
     workload = engine_ab.NODE if device.on_card else engine_ab.CPU
     found = []
     for ab, runs in engine_ab.run_switches(device.name, model_path, workload, switches, drafter, echo):
@@ -44,6 +48,11 @@ def _engine_verdicts(device, out: Path, model: str | None, switches, drafter, ec
         found.append(verdict)
         echo(f"{verdict.switch}: {verdict.verdict} ({verdict.why}) [{device.label}]")
     context = {"model": str(model_path), "workload": asdict(workload)}
+    if engine_ab.is_synthetic(model_path) and found:
+        recipe = next(iter(v for v in found[0].figures.values() if isinstance(v, dict)))
+        context["extrapolated_to_52_layers"] = {
+            "label": synthetic.EXTRAPOLATION,
+            "recipe_decode_step_ms": {b: synthetic.extrapolate_step_ms(ms) for b, ms in recipe["step_ms"].items()}}
     return found, context
 
 

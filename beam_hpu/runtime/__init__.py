@@ -69,7 +69,8 @@ INDEX: tuple[RuntimePatch, ...] = (
         why="vLLM checks that every parameter was loaded only for unquantised models: a missing FP8 "
             "weight_scale serves garbage, a misshapen one fails without the tensor's name.",
         how="Runs beam_hpu.quant.checkpoint_check.check_before_load (headers only) for compressed-"
-            "tensors Beam checkpoints before the model is built.",
+            "tensors Beam checkpoints before the model is built; not under the dummy loader, which "
+            "reads no checkpoint (card-check's synthetic Beam).",
         remove_when="vLLM's loaders track quantised parameters too (DefaultModelLoader.track_weights_loading).",
         upstream="none filed",
     ),

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from fixes.engine import EXIT_OK, run
+from fixes.engine import run
 from fixes.explain import explain
 from fixes.profile import load_profile
 from tests.support.engines import REPO
-from tests.support.gaudi.tree import PORT_PROFILE, gaudi_units
+from tests.support.gaudi.tree import PORT_PROFILE, gaudi_units, patched_copy
 from tests.support.release_proxy import (BUILD_PROBLEM, FIXES_PROFILE, MISSING, PORT_PROFILE as PROXY_PORT, WHOLE_PORT_PROFILE,
                                          edited_scopes, read_changelog, write_proxy_profiles)
 
@@ -67,15 +67,6 @@ def profiles(proxy, tmp_path_factory):
     return write_proxy_profiles(head, tmp_path_factory.mktemp("proxy-profiles"))
 
 
-def _patched_copy(src: Path, dst: Path, profile) -> Path:
-    import shutil
-    shutil.copytree(src / "vllm_gaudi", dst / "vllm_gaudi", ignore=shutil.ignore_patterns("__pycache__"))
-    report = run(profile, roots={"vllm_gaudi": str(dst)}, checkouts={"vllm_gaudi": str(src)},
-                 only=gaudi_units(profile))
-    assert report.exit_code == EXIT_OK, report.lines
-    return dst
-
-
 def test_every_unit_names_its_tree_tests():
     units = {u.name for u in load_profile("port-beam-1-0").fixes if u.package == "vllm_gaudi" and u.edits}
     assert set(UNIT_TESTS) == units
@@ -99,16 +90,16 @@ def test_only_the_named_units_miss_on_the_proxy_and_explain_names_the_pr(proxy, 
 def test_the_fix_profile_and_the_rest_of_the_port_apply_on_the_proxy(proxy, profiles, tmp_path):
     port = load_profile(PROXY_PORT, profiles)
     assert load_profile(FIXES_PROFILE, profiles).packages["vllm_gaudi"].commit == port.packages["vllm_gaudi"].commit
-    _patched_copy(proxy, tmp_path / "proxy", port)
+    patched_copy(proxy, tmp_path / "proxy", port)
 
 
 def test_tree_tests_of_the_units_that_differ_pass_on_the_proxy(proxy, profiles, tmp_path):
     """Units whose edited functions are the same text on both trees run the same code; the others'
     tree tests run again, here, on the proxy (in a child pytest: they read the tree at import)."""
     port = load_profile(PROXY_PORT, profiles)
-    stand_in = _patched_copy(Path(os.environ["GAUDI_FIXES_ROOT"]), tmp_path / "stand-in",
+    stand_in = patched_copy(Path(os.environ["GAUDI_FIXES_ROOT"]), tmp_path / "stand-in",
                              load_profile(PORT_PROFILE))
-    on_proxy = _patched_copy(proxy, tmp_path / "proxy", port)
+    on_proxy = patched_copy(proxy, tmp_path / "proxy", port)
     differ = [u.name for u in port.fixes if u.package == "vllm_gaudi" and u.edits
               and edited_scopes(stand_in, u) != edited_scopes(on_proxy, u)]
     # What the release's PRs touch: the MoE op (#1666, #1731) and initialize_kv_cache (#1666)

@@ -100,12 +100,17 @@ def proxy_port_tree(dst: Path) -> SimpleNamespace:
                           check=True).stdout.strip()
     (dst / "profiles").mkdir(parents=True)
     profile = load_profile(PROXY_PORT, write_proxy_profiles(head, dst / "profiles"))
-    root = dst / "site"
-    shutil.copytree(proxy / "vllm_gaudi", root / "vllm_gaudi", ignore=shutil.ignore_patterns("__pycache__"))
-    report = run(profile, roots={"vllm_gaudi": str(root)}, checkouts={"vllm_gaudi": str(proxy)},
+    root = patched_copy(proxy, dst / "site", profile)
+    return SimpleNamespace(root=root, port=True, runner=root / RUNNER)
+
+
+def patched_copy(src: Path, dst: Path, profile) -> Path:
+    """`src`'s vllm_gaudi/ copied to `dst` with `profile`'s vllm-gaudi units applied (src the checkout)."""
+    shutil.copytree(src / "vllm_gaudi", dst / "vllm_gaudi", ignore=shutil.ignore_patterns("__pycache__"))
+    report = run(profile, roots={"vllm_gaudi": str(dst)}, checkouts={"vllm_gaudi": str(src)},
                  only=gaudi_units(profile))
     assert report.exit_code == EXIT_OK, report.lines
-    return SimpleNamespace(root=root, port=True, runner=root / RUNNER)
+    return dst
 
 
 def stock_and_port(dst: Path) -> tuple[Path, Path]:

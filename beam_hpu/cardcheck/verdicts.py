@@ -219,6 +219,49 @@ def _ratios(base: dict, other: dict, key: str) -> dict[int, float]:
     return {k: other[key][k] / base[key][k] for k in base[key] if base[key][k] and other[key].get(k)}
 
 
+def _speculative(base: dict, on: dict) -> tuple[str | None, str]:
+    gain = on["gain"] = on["tok_s_1"] / base["tok_s_1"]
+    said = f"one stream {on['tok_s_1']:.1f} vs {base['tok_s_1']:.1f} tok/s ({gain:.2f}x)"
+    if on["accepted_length"] is not None:
+        said += f", accepted length {on['accepted_length']:.2f}"
+    if on["tokens_differ_at"]:
+        return None, f"greedy tokens differ at {on['tokens_differ_at']}: not lossless; {said}"
+    if gain >= MIN_SPECULATIVE_GAIN:
+        return "pays", said
+    return None, f"{said}, under {MIN_SPECULATIVE_GAIN:.2f}x"
+
+
+def _startup(base: dict, on: dict) -> tuple[str | None, str]:
+    ratio = on["startup_ratio"] = on["start_to_first_token_ms"] / base["start_to_first_token_ms"]
+    said = (f"engine start to first token {on['start_to_first_token_ms'] / 1e3:.1f} s against "
+            f"{base['start_to_first_token_ms'] / 1e3:.1f} s ({ratio:.2f}x)")
+    if on["tokens_differ_at"]:
+        return None, f"greedy tokens differ at {on['tokens_differ_at']}; {said}"
+    return ("pays" if ratio <= 1 - SPEED_MARGIN else None), said
+
+
+def _prefill(base: dict, on: dict) -> tuple[str | None, str]:
+    ratio = on["ttft_ratio"] = _ratios(base, on, "ttft_ms")
+    said = ", ".join(f"{c}: {r:.2f}x" for c, r in ratio.items())
+    if ratio and all(r <= 1 - SPEED_MARGIN for r in ratio.values()):
+        return "pays", f"the prompt in one call is faster at every context: {said}"
+    return None, f"untiled TTFT / tiled: {said}"
+
+
+def _cost(base: dict, on: dict) -> tuple[str | None, str]:
+    ratio = on["step_ratio"] = _ratios(base, on, "step_ms")
+    worst = max(ratio.values())
+    said = "decode step on / off: " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in ratio.items())
+    if worst <= 1 + SPEED_MARGIN:
+        return "affordable", said
+    return None, f"{said}: costs {worst - 1:.0%}"
+
+
+# The kinds judged on the recipe's setting against one other: (word after the setting's name, or
+# None to keep the recipe's; why)
+TWO_SETTING_JUDGES = {"speculative": _speculative, "startup": _startup, "prefill": _prefill, "cost": _cost}
+
+
 def engine_switch(switch: str, kind: str, runs: dict[str, dict], acts_here: bool = True) -> Verdict:
     """One switch from its engine runs ({setting: engine_run output}, the recipe's first). kind:
     speed (on pays when batch 1 decodes SPEED_MARGIN faster, no batch is slower by more, greedy
@@ -252,56 +295,13 @@ def engine_switch(switch: str, kind: str, runs: dict[str, dict], acts_here: bool
     def verdict(word: str, why: str) -> Verdict:
         return Verdict("engine", switch, word, why, figures)
 
-    if kind == "speculative":
-        on = names[1]
-        if "error" in runs[on]:
-            return verdict(f"keep {recipe}", f"{on} failed: {runs[on]['error']}")
-        f = figures[on]
-        gain = f["tok_s_1"] / base["tok_s_1"]
-        f["gain"] = gain
-        said = f"one stream {f['tok_s_1']:.1f} vs {base['tok_s_1']:.1f} tok/s ({gain:.2f}x)"
-        if f["accepted_length"] is not None:
-            said += f", accepted length {f['accepted_length']:.2f}"
-        if f["tokens_differ_at"]:
-            return verdict(f"keep {recipe}", f"greedy tokens differ at {f['tokens_differ_at']}: not lossless; {said}")
-        if gain >= MIN_SPECULATIVE_GAIN:
-            return verdict(f"{on} pays", said)
-        return verdict(f"keep {recipe}", f"{said}, under {MIN_SPECULATIVE_GAIN:.2f}x")
-    if kind == "startup":
+    judge = TWO_SETTING_JUDGES.get(kind)
+    if judge is not None:
         on = names[1]
         if "error" in runs[on]:
             return verdict(f"keep {recipe}", f"{on} failed: {runs[on]['error'][:200]}")
-        f = figures[on]
-        ratio = f["start_to_first_token_ms"] / base["start_to_first_token_ms"]
-        f["startup_ratio"] = ratio
-        said = (f"engine start to first token {f['start_to_first_token_ms'] / 1e3:.1f} s against "
-                f"{base['start_to_first_token_ms'] / 1e3:.1f} s ({ratio:.2f}x)")
-        if f["tokens_differ_at"]:
-            return verdict(f"keep {recipe}", f"greedy tokens differ at {f['tokens_differ_at']}; {said}")
-        if ratio <= 1 - SPEED_MARGIN:
-            return verdict(f"{on} pays", said)
-        return verdict(f"keep {recipe}", said)
-    if kind == "prefill":
-        on = names[1]
-        if "error" in runs[on]:
-            return verdict(f"keep {recipe}", f"{on} failed where the tiles serve: {runs[on]['error'][:200]}")
-        ratio = _ratios(base, figures[on], "ttft_ms")
-        figures[on]["ttft_ratio"] = ratio
-        if ratio and all(r <= 1 - SPEED_MARGIN for r in ratio.values()):
-            return verdict(f"{on} pays", "the prompt in one call is faster at every context: "
-                           + ", ".join(f"{c}: {r:.2f}x" for c, r in ratio.items()))
-        return verdict(f"keep {recipe}", "untiled TTFT / tiled: " + ", ".join(f"{c}: {r:.2f}x" for c, r in ratio.items()))
-    if kind == "cost":
-        on = names[1]
-        if "error" in runs[on]:
-            return verdict(f"keep {recipe}", f"{on} failed: {runs[on]['error'][:200]}")
-        ratio = _ratios(base, figures[on], "step_ms")
-        figures[on]["step_ratio"] = ratio
-        worst = max(ratio.values())
-        said = "decode step on / off: " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in ratio.items())
-        if worst <= 1 + SPEED_MARGIN:
-            return verdict(f"{on} affordable", said)
-        return verdict(f"keep {recipe}", f"{said}: costs {worst - 1:.0%}")
+        word, why = judge(base, figures[on])
+        return verdict(f"{on} {word}" if word else f"keep {recipe}", why)
     # speed and choice: the candidates that kept the recipe's tokens and ran
     candidates = {}
     for name in names[1:]:
@@ -312,9 +312,10 @@ def engine_switch(switch: str, kind: str, runs: dict[str, dict], acts_here: bool
         f["step_ratio"] = ratio
         if ratio.get(1, 1.0) <= 1 - SPEED_MARGIN and all(r <= 1 + SPEED_MARGIN for r in ratio.values()):
             candidates[name] = ratio[1]
-    rejected = {n: figures[n].get("tokens_differ_at") or figures[n].get("error") for n in names[1:]
-                if figures[n].get("tokens_differ_at") or "error" in figures[n]}
-    tail = "".join(f"; {n} not the same output ({why})" for n, why in rejected.items())
+    rejected = {n: (f"failed: {figures[n]['error'][:200]}" if "error" in figures[n]
+                    else f"not the same output (tokens differ at {figures[n]['tokens_differ_at']})")
+                for n in names[1:] if "error" in figures[n] or figures[n].get("tokens_differ_at")}
+    tail = "".join(f"; {n} {why}" for n, why in rejected.items())
     if candidates:
         best = min(candidates, key=candidates.get)
         return verdict(f"{best} pays", f"batch-1 decode step {candidates[best]:.2f}x the recipe's{tail}")

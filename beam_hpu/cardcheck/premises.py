@@ -102,6 +102,19 @@ def _routing(routed: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, weights
 
 
+def server_fused_moe(x, ids, weights, w13, w13s, w2, w2s, quantise):
+    """The fused FP8 MoE op as vllm-gaudi's VllmMixtureOfExpertsOpFP8PerChannel calls it: the
+    activations quantised per token, each local expert's weights and its squeezed per-channel scales
+    ([2I] and [H]) as lists, permuted weights, SiLU, every local expert. w13 [E, 2I, H], w13s
+    [E, 2I, 1], w2 [E, H, I], w2s [E, H, 1]; x [T, H] -> [T, H]."""
+    x_fp8, x_scale = quantise(x)
+    return torch.ops.hpu.mixture_of_experts.fp8_fused_weights_dynamic(
+        hidden_states=x_fp8, expert_routing_table=ids, router_weights=weights,
+        w12=list(w13.unbind(0)), w3=list(w2.unbind(0)), d_scale_hidden_states=x_scale,
+        d_scale_w12=list(w13s.squeeze(-1).unbind(0)), d_scale_w3=list(w2s.squeeze(-1).unbind(0)),
+        permuted_weights=True, activation="silu", experts_min=0, experts_max=w13.shape[0] - 1)
+
+
 def moe(device: Device, shapes: Shapes) -> verdicts.Verdict:
     from beam_hpu.runtime.fp8.hpu_moe_gather import (cpu_fp8_gemm, dense_fp8_moe, gathered_fp8_moe,
                                                      hpu_fp8_gemm, local_ids_from_offset)
@@ -124,12 +137,7 @@ def moe(device: Device, shapes: Shapes) -> verdicts.Verdict:
         local = local_ids_from_offset(ids, 0, E)
         if device.on_card:
             def fused():
-                x_fp8, x_scale = quantise(x)
-                return torch.ops.hpu.mixture_of_experts.fp8_fused_weights_dynamic(
-                    hidden_states=x_fp8, expert_routing_table=ids, router_weights=weights,
-                    w12=list(w13.unbind(0)), w3=list(w2.unbind(0)), d_scale_hidden_states=x_scale,
-                    d_scale_w12=list(w13s.unbind(0)), d_scale_w3=list(w2s.unbind(0)), permuted_weights=True,
-                    activation="silu", experts_min=0, experts_max=E - 1)
+                return server_fused_moe(x, ids, weights, w13, w13s, w2, w2s, quantise)
         else:  # the fused op's CPU stand-in: the dense pass over every local expert
             def fused():
                 return dense_fp8_moe(x, w13, w13s, w2, w2s, weights, local, quantise, gemm)
@@ -310,12 +318,7 @@ def verify_rows(device: Device, shapes: Shapes, rows=VERIFY_ROWS) -> verdicts.Ve
         local = local_ids_from_offset(ids, 0, E)
         weights = weights.softmax(-1).to(torch.bfloat16)
         if device.on_card:
-            x_fp8, x_scale = quantise(x)
-            moe = torch.ops.hpu.mixture_of_experts.fp8_fused_weights_dynamic(
-                hidden_states=x_fp8, expert_routing_table=ids, router_weights=weights,
-                w12=list(w13.unbind(0)), w3=list(w2.unbind(0)), d_scale_hidden_states=x_scale,
-                d_scale_w12=list(w13s.unbind(0)), d_scale_w3=list(w2s.unbind(0)), permuted_weights=True,
-                activation="silu", experts_min=0, experts_max=E - 1)
+            moe = server_fused_moe(x, ids, weights, w13, w13s, w2, w2s, quantise)
         else:
             moe = dense_fp8_moe(x, w13, w13s, w2, w2s, weights, local, quantise, gemm)
         return x + moe

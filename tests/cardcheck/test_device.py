@@ -1,6 +1,6 @@
 """card-check's timing on a card takes the server's path: lazy mode set before the bridge loads,
-a repeated call replayed from an HPU graph captured on its warm-up, FusedSDPA in vllm-gaudi's call
-form. Shown with the Habana
+a repeated call replayed from an HPU graph captured on its warm-up, FusedSDPA and the fused FP8 MoE
+op in vllm-gaudi's call forms. Shown with the Habana
 modules stood in (tests/support/gaudi/habana_stub.py, MagicMocks whose calls are recorded; the
 graph wrapper hands its module back, since nothing here can capture), in a fresh interpreter."""
 
@@ -38,6 +38,20 @@ q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.bfloat16) for _ in range(3))
 bias = torch.zeros(1, 1, 8, 8, dtype=torch.bfloat16)
 out = server_fsdpa(0.25)(q, k, v, bias)
 assert out.shape == q.shape and FusedSDPA.calls[-1]["mask"] == (1, 1, 8, 8)
+# The fused FP8 MoE op as vllm-gaudi's per-channel op calls it: squeezed per-channel scales
+seen = {}
+def record(**kwargs):
+    seen.update(kwargs)
+    return torch.zeros(kwargs["hidden_states"].shape, dtype=torch.bfloat16)
+torch.ops.hpu = types.SimpleNamespace(mixture_of_experts=types.SimpleNamespace(fp8_fused_weights_dynamic=record))
+from beam_hpu.cardcheck.premises import server_fused_moe
+E, H, I = 4, 32, 16
+w13, w2 = torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn), torch.zeros(E, H, I, dtype=torch.float8_e4m3fn)
+quantise = lambda t: (t.to(torch.float8_e4m3fn), torch.ones(t.shape[0], 1))
+server_fused_moe(torch.ones(2, H, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.int64),
+                 torch.ones(2, 2, dtype=torch.bfloat16), w13, torch.ones(E, 2 * I, 1), w2, torch.ones(E, H, 1), quantise)
+assert [s.shape for s in seen["d_scale_w12"]] == [(2 * I,)] * E and [s.shape for s in seen["d_scale_w3"]] == [(H,)] * E
+assert [w.shape for w in seen["w12"]] == [(2 * I, H)] * E and seen["permuted_weights"] and seen["experts_max"] == E - 1
 print("ok")
 '''
 

@@ -24,7 +24,6 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from beam_hpu.settings.switches import SWITCHES
 
 
 @dataclass(frozen=True)
@@ -43,32 +42,57 @@ class SwitchAB:
     acts_on: tuple[str, ...]  # the devices whose engine reads it
 
 
-def _both(name: str, on: str) -> tuple[Setting, ...]:
-    return Setting(SWITCHES[name].default, {name: SWITCHES[name].default}), Setting(on, {name: on})
+def cookbook_recipe():
+    """serving/recipe.py of the cookbook: importable here in a checkout, else under $COOKBOOK (the
+    image copies the repository to /opt/gaudi-cookbook; the plugin itself is installed alone)."""
+    try:
+        from serving import recipe
+    except ImportError:
+        root = os.environ.get("COOKBOOK", "/opt/gaudi-cookbook")
+        if not (Path(root) / "serving" / "recipe.py").is_file():
+            raise SystemExit(f"card-check reads the recipe's settings from serving/recipe.yaml: none under "
+                             f"COOKBOOK={root}") from None
+        sys.path.insert(0, root)
+        from serving import recipe
+    return recipe
 
 
-# The recipe's setting is each switch's default (beam_hpu/settings/switches.py: the Verified run's).
-AB_SWITCHES = (
-    # Gathered FP8 experts for steps of at most 16 tokens (the moe_gather variant uses 1).
-    SwitchAB("BEAM_MOE_GATHER", "speed", _both("BEAM_MOE_GATHER", "16"), ("hpu",)),
-    SwitchAB("BEAM_WINDOW_KV", "speed", _both("BEAM_WINDOW_KV", "1"), ("hpu",)),
-    # Exact FP8 rounding: a numerics switch; the question a card answers is what it costs.
-    SwitchAB("BEAM_EXACT_ROUNDING", "cost", _both("BEAM_EXACT_ROUNDING", "1"), ("hpu", "cpu")),
-    # The FSDPA tiles the recipe sets, against none (the prompt in one FusedSDPA call).
-    SwitchAB("BEAM_FSDPA_Q_TILE / BEAM_FSDPA_WS_GIB", "prefill",
-             (Setting("256 / 2", {"BEAM_FSDPA_Q_TILE": "256", "BEAM_FSDPA_WS_GIB": "2"}),
-              Setting("untiled", {"BEAM_FSDPA_Q_TILE": "0", "BEAM_FSDPA_WS_GIB": "0"})), ("hpu",)),
-    # vllm-gaudi splits the lazy graph every N decoder layers (its default 1).
-    SwitchAB("VLLM_CONFIG_HIDDEN_LAYERS", "choice",
-             tuple(Setting(n, {"VLLM_CONFIG_HIDDEN_LAYERS": n}) for n in ("1", "4", "13", "52")), ("hpu",)),
-    SwitchAB("--speculative-config dflash", "speculative", (Setting("off"), Setting("dflash2", speculative=True)),
-             ("hpu", "cpu")),
-    # Habana's on-disk recipe cache (the recipe runs with VLLM_SKIP_WARMUP=true, so a restart
-    # compiles on its first requests): engine start to first token, cold against a warm cache.
-    SwitchAB("PT_HPU_RECIPE_CACHE_CONFIG", "startup",
-             (Setting("no cache"), Setting("warm cache", {"PT_HPU_RECIPE_CACHE_CONFIG": "{out}/recipe-cache,false,16384"},
-                                           warm=True)), ("hpu",)),
-)
+FSDPA = "BEAM_FSDPA_Q_TILE / BEAM_FSDPA_WS_GIB"
+DFLASH2 = "--speculative-config dflash"
+RECIPE_CACHE = "PT_HPU_RECIPE_CACHE_CONFIG"
+SWITCH_NAMES = ("BEAM_MOE_GATHER", "BEAM_WINDOW_KV", "BEAM_EXACT_ROUNDING", FSDPA, "VLLM_CONFIG_HIDDEN_LAYERS",
+                DFLASH2, RECIPE_CACHE)
+
+
+def ab_switches(recipe: dict) -> tuple[SwitchAB, ...]:
+    """Each switch's settings, the recipe's first, from recipe.yaml: its env, the moe_gather variant,
+    the graph_split and recipe_cache levers (on-values of the boolean switches are theirs: 1)."""
+    env = recipe["env"]
+
+    def pair(name: str, on: str) -> tuple[Setting, ...]:
+        return Setting(env[name], {name: env[name]}), Setting(on, {name: on})
+
+    tiles = {k: env[k] for k in ("BEAM_FSDPA_Q_TILE", "BEAM_FSDPA_WS_GIB")}
+    split = recipe["graph_split"]
+    _, delete, size = recipe["recipe_cache"]["env"][RECIPE_CACHE].split(",")
+    found = (
+        SwitchAB("BEAM_MOE_GATHER", "speed", pair("BEAM_MOE_GATHER", recipe["moe_gather"]["env"]["BEAM_MOE_GATHER"]),
+                 ("hpu",)),
+        SwitchAB("BEAM_WINDOW_KV", "speed", pair("BEAM_WINDOW_KV", "1"), ("hpu",)),
+        # a numerics switch: the question a card answers is what it costs
+        SwitchAB("BEAM_EXACT_ROUNDING", "cost", pair("BEAM_EXACT_ROUNDING", "1"), ("hpu", "cpu")),
+        # the recipe's tiles against none (a chunk's prompt attention in one FusedSDPA call)
+        SwitchAB(FSDPA, "prefill", (Setting(" / ".join(tiles.values()), tiles),
+                                    Setting("untiled", {k: "0" for k in tiles})), ("hpu",)),
+        SwitchAB(split["variable"], "choice", tuple(Setting(n, {split["variable"]: n})
+                                                    for n in (split["default"], *split["settings"])), ("hpu",)),
+        SwitchAB(DFLASH2, "speculative", (Setting("off"), Setting("dflash2", speculative=True)), ("hpu", "cpu")),
+        # a restart cold against a warm cache, the cache under --out so the first start is cold
+        SwitchAB(RECIPE_CACHE, "startup", (Setting("no cache"), Setting(
+            "warm cache", {RECIPE_CACHE: f"{{out}}/recipe-cache,{delete},{size}"}, warm=True)), ("hpu",)),
+    )
+    assert tuple(ab.switch for ab in found) == SWITCH_NAMES
+    return found
 
 
 @dataclass(frozen=True)
@@ -107,9 +131,8 @@ def engine_kwargs(device: str, setting: Setting, drafter: str | None, synthetic:
     vLLM's dummy loader (random weights, drawn from a fixed seed: every setting serves the same)
     and served by token ids (it has no tokenizer)."""
     if device == "hpu":
-        from serving.recipe import flags_as_vllm_args, load_recipe, recipe_flags
-
-        kwargs = flags_as_vllm_args(recipe_flags(load_recipe()))
+        recipe = cookbook_recipe()
+        kwargs = recipe.flags_as_vllm_args(recipe.recipe_flags(recipe.load_recipe()))
         for key in ("reasoning_parser", "enable_auto_tool_choice", "tool_call_parser",
                     "enable_prompt_tokens_details"):  # server-only flags
             kwargs.pop(key, None)
@@ -133,10 +156,8 @@ def setting_env(device: str, setting: Setting) -> dict[str, str]:
     """The engine process's environment: the recipe's on the node, vLLM-CPU's on a host, then the
     setting's own variables."""
     if device == "hpu":
-        from serving.recipe import load_recipe
-
         env = dict(os.environ)
-        env.update({k: str(v) for k, v in load_recipe()["env"].items()})
+        env.update({k: str(v) for k, v in cookbook_recipe().load_recipe()["env"].items()})
     else:
         from beam_hpu.demo.serve import serve_env
 
@@ -170,7 +191,7 @@ def run_switches(device: str, model: Path, workload: Workload, only: list[str] |
     the table to recipe.yaml), the same engine for all of them: it is measured once and shared."""
     baseline: dict | None = None
     out = []
-    for ab in AB_SWITCHES:
+    for ab in ab_switches(cookbook_recipe().load_recipe()):
         if only and ab.switch not in only:
             continue
         figures = {}

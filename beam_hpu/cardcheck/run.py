@@ -28,7 +28,7 @@ def add_arguments(parser) -> None:
                                         "on CPU: the tiny trained Beam quantised to FP8)")
     parser.add_argument("--drafter", help="the DFlash2 drafter for the speculative setting (default: the tiny one)")
     parser.add_argument("--switch", action="append", dest="switches", metavar="NAME",
-                        choices=[ab.switch for ab in engine_ab.AB_SWITCHES],
+                        choices=engine_ab.SWITCH_NAMES,
                         help="A/B only this switch (repeatable; default: every switch)")
 
 

@@ -142,10 +142,14 @@ def engine_kwargs(device: str, setting: Setting, drafter: str | None, synthetic:
         kwargs = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True, "max_num_seqs": 16,
                   "load_format": LOAD_FORMAT}
     if setting.speculative:
-        from beam_hpu.tiny.dflash2_drafter import SERVED_DRAFTS, speculative_config
+        if device == "hpu":  # the DFlash2 variant's own config (recipe.yaml dflash2)
+            config = json.loads(cookbook_recipe().load_recipe()["dflash2"]["serve"]["speculative-config"])
+        else:
+            from beam_hpu.tiny.dflash2_drafter import speculative_config
 
-        config = json.loads(speculative_config())
-        config.update({"model": drafter or config["model"], "num_speculative_tokens": SERVED_DRAFTS})
+            config = json.loads(speculative_config())
+        if drafter:
+            config["model"] = drafter
         kwargs.update(speculative_config=config, async_scheduling=False)
     if synthetic:
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
@@ -156,8 +160,11 @@ def setting_env(device: str, setting: Setting) -> dict[str, str]:
     """The engine process's environment: the recipe's on the node, vLLM-CPU's on a host, then the
     setting's own variables."""
     if device == "hpu":
+        recipe = cookbook_recipe().load_recipe()
         env = dict(os.environ)
-        env.update({k: str(v) for k, v in cookbook_recipe().load_recipe()["env"].items()})
+        env.update({k: str(v) for k, v in recipe["env"].items()})
+        if setting.speculative:  # the DFlash2 variant's bucket file
+            env.update({k: str(v) for k, v in recipe["dflash2"]["env"].items()})
     else:
         from beam_hpu.demo.serve import serve_env
 

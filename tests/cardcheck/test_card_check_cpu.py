@@ -12,37 +12,13 @@ from pathlib import Path
 import pytest
 
 from beam_hpu.cardcheck.device import CPU_LABEL
-from beam_hpu.cardcheck.engine_ab import ab_switches
-from serving.recipe import load_recipe
 
-# vllm-gaudi's defaults for what recipe.yaml's env leaves unset (hpu_model_runner.py's graph split)
-VLLM_DEFAULTS = {"VLLM_CONFIG_HIDDEN_LAYERS": "1"}
 
 REPO = Path(__file__).resolve().parents[2]
 PREMISES = ["moe", "cast", "storage", "fsdpa", "verify", "window_kv", "verify_rows", "dflash2_block", "dflash2"]
 ENGINE_SWITCHES = ["BEAM_EXACT_ROUNDING", "--speculative-config dflash"]
 
 pytestmark = pytest.mark.slow
-
-
-def test_every_switchs_first_setting_is_the_recipes_and_the_others_are_read_from_it():
-    """The engine A/B measures the recipe's engine once and shares it as each switch's first
-    setting: that holds only while each first setting restates recipe.yaml (or vllm-gaudi's
-    default); the other settings are recipe.yaml's variants and levers."""
-    recipe = load_recipe()
-    recipe_env = {k: str(val) for k, val in recipe["env"].items()}
-    switches = {ab.switch: ab for ab in ab_switches(recipe)}
-    for ab in switches.values():
-        first = ab.settings[0]
-        assert not first.speculative and not first.warm, ab.switch
-        for name, value in first.env.items():
-            assert recipe_env.get(name, VLLM_DEFAULTS.get(name)) == value, (ab.switch, name)
-        assert all(s.env or s.speculative for s in ab.settings[1:]), ab.switch
-    assert switches["BEAM_MOE_GATHER"].settings[1].env == recipe["moe_gather"]["env"]
-    assert [s.name for s in switches["VLLM_CONFIG_HIDDEN_LAYERS"].settings[1:]] == recipe["graph_split"]["settings"]
-    warm = switches["PT_HPU_RECIPE_CACHE_CONFIG"].settings[1]
-    assert warm.warm and warm.env["PT_HPU_RECIPE_CACHE_CONFIG"].endswith(
-        recipe["recipe_cache"]["env"]["PT_HPU_RECIPE_CACHE_CONFIG"].split(",", 1)[1])
 
 
 def test_quick_cpu_run_writes_a_verdict_per_switch_and_premise(tmp_path):

@@ -1,0 +1,54 @@
+"""card-check's engine A/B settings as the node would run them, without a card: every switch's
+settings read from serving/recipe.yaml, and the engine arguments and environment a node's engine
+gets for each (the recipe's serve flags and env, the DFlash2 variant's config and bucket file)."""
+
+import json
+
+from beam_hpu.cardcheck.engine_ab import Setting, ab_switches, engine_kwargs, setting_env
+from serving.recipe import load_recipe
+
+# vllm-gaudi's defaults for what recipe.yaml's env leaves unset (hpu_model_runner.py's graph split)
+VLLM_DEFAULTS = {"VLLM_CONFIG_HIDDEN_LAYERS": "1"}
+
+
+def test_every_switchs_first_setting_is_the_recipes_and_the_others_are_read_from_it():
+    """The engine A/B measures the recipe's engine once and shares it as each switch's first
+    setting: that holds only while each first setting restates recipe.yaml (or vllm-gaudi's
+    default); the other settings are recipe.yaml's variants and levers."""
+    recipe = load_recipe()
+    recipe_env = {k: str(val) for k, val in recipe["env"].items()}
+    switches = {ab.switch: ab for ab in ab_switches(recipe)}
+    for ab in switches.values():
+        first = ab.settings[0]
+        assert not first.speculative and not first.warm, ab.switch
+        for name, value in first.env.items():
+            assert recipe_env.get(name, VLLM_DEFAULTS.get(name)) == value, (ab.switch, name)
+        assert all(s.env or s.speculative for s in ab.settings[1:]), ab.switch
+    assert switches["BEAM_MOE_GATHER"].settings[1].env == recipe["moe_gather"]["env"]
+    assert [s.name for s in switches["VLLM_CONFIG_HIDDEN_LAYERS"].settings[1:]] == recipe["graph_split"]["settings"]
+    warm = switches["PT_HPU_RECIPE_CACHE_CONFIG"].settings[1]
+    assert warm.warm and warm.env["PT_HPU_RECIPE_CACHE_CONFIG"].endswith(
+        recipe["recipe_cache"]["env"]["PT_HPU_RECIPE_CACHE_CONFIG"].split(",", 1)[1])
+
+
+def test_a_node_engine_gets_the_recipes_flags_and_environment():
+    recipe = load_recipe()
+    kwargs = engine_kwargs("hpu", Setting("recipe"), None)
+    assert (kwargs["tensor_parallel_size"], kwargs["enable_expert_parallel"], kwargs["load_format"],
+            kwargs["block_size"]) == (8, True, "beam", 128)
+    assert "speculative_config" not in kwargs and "tool_call_parser" not in kwargs
+    env = setting_env("hpu", Setting("1", {"BEAM_MOE_GATHER": "1"}))
+    assert {k: env[k] for k in recipe["env"] if k != "BEAM_MOE_GATHER"} == {
+        k: v for k, v in recipe["env"].items() if k != "BEAM_MOE_GATHER"}
+    assert env["BEAM_MOE_GATHER"] == "1" and env["PT_HPU_LAZY_MODE"] == "1"
+    # DFlash2: the variant's drafter and drafts, its bucket file, no async scheduling
+    drafted = engine_kwargs("hpu", Setting("dflash2", speculative=True), None)
+    assert drafted["speculative_config"] == json.loads(recipe["dflash2"]["serve"]["speculative-config"])
+    assert drafted["async_scheduling"] is False
+    assert setting_env("hpu", Setting("dflash2", speculative=True))["VLLM_BUCKETING_FROM_FILE"] == \
+        recipe["dflash2"]["env"]["VLLM_BUCKETING_FROM_FILE"]
+    assert engine_kwargs("hpu", Setting("dflash2", speculative=True), "/models/d")["speculative_config"]["model"] == \
+        "/models/d"
+    # A synthetic Beam: vLLM's dummy loader, token ids only
+    synthetic = engine_kwargs("hpu", Setting("recipe"), None, synthetic=True)
+    assert (synthetic["load_format"], synthetic["skip_tokenizer_init"]) == ("dummy", True)

@@ -175,11 +175,14 @@ def setting_env(device: str, setting: Setting) -> dict[str, str]:
 
 
 def measure_setting(device: str, model: Path, setting: Setting, workload: Workload, drafter: str | None,
-                    timeout: float = 3600) -> dict:
+                    out: Path, timeout: float = 3600) -> dict:
+    """engine_run.py's figures for one setting (a warm one started twice, the second measured);
+    RuntimeError naming the setting and the engine's last words when a start fails. `out`: where a
+    setting's files go (the recipe cache)."""
     spec = {"model": str(model), "engine": engine_kwargs(device, setting, drafter, is_synthetic(model)), "seed": 0,
             "batches": list(workload.batches), "decode_steps": workload.decode_steps,
             "prompt_len": workload.prompt_len, "contexts": list(workload.contexts)}
-    env = {k: v.replace("{out}", str(model.parent)) for k, v in setting_env(device, setting).items()}
+    env = {k: v.replace("{out}", str(out)) for k, v in setting_env(device, setting).items()}
     with tempfile.TemporaryDirectory(prefix="card-check-ab-") as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_path.write_text(json.dumps(spec))
@@ -193,9 +196,11 @@ def measure_setting(device: str, model: Path, setting: Setting, workload: Worklo
 
 
 def run_switches(device: str, model: Path, workload: Workload, only: list[str] | None, drafter: str | None,
-                 echo=print) -> list[tuple[SwitchAB, dict[str, dict]]]:
+                 out: Path, echo=print) -> list[tuple[SwitchAB, dict[str, dict]]]:
     """Each switch's figures by setting. Every switch's first setting is the recipe's (a test holds
-    the table to recipe.yaml), the same engine for all of them: it is measured once and shared."""
+    the table to recipe.yaml), the same engine for all of them: it is measured once and shared, and
+    if it fails nothing can be judged (the error propagates). Another setting that fails (the
+    untiled prompt out of memory, say) is kept as {"error": ...}: its verdict says so."""
     baseline: dict | None = None
     out = []
     for ab in ab_switches(cookbook_recipe().load_recipe()):
@@ -206,10 +211,14 @@ def run_switches(device: str, model: Path, workload: Workload, only: list[str] |
             if i == 0:
                 if baseline is None:
                     echo("  engine: the recipe's setting ...")
-                    baseline = measure_setting(device, model, Setting("recipe"), workload, drafter)
+                    baseline = measure_setting(device, model, Setting("recipe"), workload, drafter, out)
                 figures[setting.name] = baseline
                 continue
             echo(f"  engine: {ab.switch} = {setting.name} ...")
-            figures[setting.name] = measure_setting(device, model, setting, workload, drafter)
+            try:
+                figures[setting.name] = measure_setting(device, model, setting, workload, drafter, out)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                echo(f"  engine: {ab.switch} = {setting.name} failed: {str(exc).splitlines()[0]}")
+                figures[setting.name] = {"error": str(exc)[-2000:]}
         out.append((ab, figures))
     return out

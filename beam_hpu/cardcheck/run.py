@@ -41,7 +41,7 @@ def _engine_verdicts(device, out: Path, model: str | None, switches, drafter, ec
         model_path = engine_ab.cpu_model(out)
     workload = engine_ab.NODE if device.on_card else engine_ab.CPU
     found = []
-    for ab, runs in engine_ab.run_switches(device.name, model_path, workload, switches, drafter, echo):
+    for ab, runs in engine_ab.run_switches(device.name, model_path, workload, switches, drafter, out, echo):
         verdict = verdicts.engine_switch(ab.switch, ab.kind, runs, acts_here=device.name in ab.acts_on)
         for setting in ab.settings:
             verdict.figures[setting.name]["setting"] = {"env": setting.env, "speculative": setting.speculative}

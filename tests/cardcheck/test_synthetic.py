@@ -38,6 +38,6 @@ def test_a_shrunk_synthetic_beam_serves_through_the_engine_run(tmp_path):
     model = synthetic.write_synthetic(tmp_path / "synthetic", vocab=512, **SHRUNK)
     assert engine_ab.is_synthetic(model)
     workload = engine_ab.Workload(batches=(1,), decode_steps=8, prompt_len=64, contexts=(256,))
-    run = engine_ab.measure_setting("cpu", model, engine_ab.Setting("recipe"), workload, None)
+    run = engine_ab.measure_setting("cpu", model, engine_ab.Setting("recipe"), workload, None, tmp_path)
     decode = run["decode"]["1"]
     assert decode["step_ms"] > 0 and len(decode["tokens"][0]) == 8 and run["ttft_ms"]["256"] > 0

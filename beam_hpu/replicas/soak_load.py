@@ -214,6 +214,10 @@ def _stream(client: httpx.Client, base_url: str, case: Case, out: Outcome, start
         out.status, out.detail = "truncated", f"stream ended after {state.chunks} chunks, no finish_reason or error"
 
 
+# How the vanishing client reports a server that closed the connection before the first event.
+CLOSED_BEFORE_DATA = "connection closed before the first event"
+
+
 def _disconnect(base_url: str, case: Case, deadline: float, started: float) -> Outcome:
     """A client that vanishes: raw HTTP/1.1, read until the first SSE data, then reset the socket."""
     u = urlparse(base_url)
@@ -226,8 +230,10 @@ def _disconnect(base_url: str, case: Case, deadline: float, started: float) -> O
             s.sendall(head + body)
             while b"data: " not in seen:
                 part = s.recv(4096)
-                if not part:
-                    return Outcome(case.name, "broken", time.monotonic() - started, detail=seen[:300].decode(errors="replace"))
+                if not part:  # the server went away after its headers, before the stream's first event
+                    return Outcome(case.name, "broken", time.monotonic() - started,
+                                   detail=f"{CLOSED_BEFORE_DATA} ({len(seen)} bytes read): "
+                                          + seen[:200].decode(errors="replace"))
                 seen += part
             status = int(seen.split(b" ", 2)[1])
             # SO_LINGER 0: close sends RST, as a crashed client or a dropped network would.

@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
@@ -195,6 +195,13 @@ def measure_setting(device: str, model: Path, setting: Setting, workload: Worklo
         return json.loads(out_path.read_text())
 
 
+def setting_workload(ab: SwitchAB, workload: Workload) -> Workload:
+    """What a switch's other settings are measured on: TTFT only where the verdict reads it (the
+    prefill switch; the recipe's own run has every figure). A long-context prefill is most of a
+    setting's time on the node (benchmarks/card_check_time.py), and no other verdict reads it."""
+    return workload if ab.kind == "prefill" else replace(workload, contexts=())
+
+
 def run_switches(device: str, model: Path, workload: Workload, only: list[str] | None, drafter: str | None,
                  out: Path, echo=print) -> list[tuple[SwitchAB, dict[str, dict]]]:
     """Each switch's figures by setting. Every switch's first setting is the recipe's (a test holds
@@ -216,7 +223,8 @@ def run_switches(device: str, model: Path, workload: Workload, only: list[str] |
                 continue
             echo(f"  engine: {ab.switch} = {setting.name} ...")
             try:
-                figures[setting.name] = measure_setting(device, model, setting, workload, drafter, out)
+                figures[setting.name] = measure_setting(device, model, setting, setting_workload(ab, workload),
+                                                        drafter, out)
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 echo(f"  engine: {ab.switch} = {setting.name} failed: {str(exc).splitlines()[0]}")
                 figures[setting.name] = {"error": str(exc)[-2000:]}

@@ -86,17 +86,22 @@ def measure(spec: dict, started: float) -> dict:
     """`started`: perf_counter() when this process began (vLLM not yet imported)."""
     from vllm import LLM
 
-    llm = LLM(model=spec["model"], disable_log_stats=False, seed=spec["seed"], **spec["engine"])
+    from beam_hpu.cardcheck.graph_probe import EXTENSION, summarise
+
+    llm = LLM(model=spec["model"], disable_log_stats=False, seed=spec["seed"], worker_extension_cls=EXTENSION,
+              **spec["engine"])
     vocab = llm.llm_engine.model_config.get_vocab_size()
     stepped = SteppedEngine(llm)
     result: dict = {"decode": {}, "ttft_ms": {}, "engine_start_ms": (time.perf_counter() - started) * 1e3}
     for batch in spec["batches"]:
         batch_prompts = prompts(batch, spec["prompt_len"], vocab, spec["seed"] + batch, COPY_RESTART)
-        runs = []
+        runs, windows = [], []
         for _ in range(2):  # the first compiles (and warms up); the second is the measured one
+            llm.collective_rpc("beam_probe_start")
             start = time.perf_counter()
             steps, tokens = stepped.run(batch_prompts, spec["decode_steps"])
             runs.append(((time.perf_counter() - start) * 1e3, steps, tokens))
+            windows.append(llm.collective_rpc("beam_probe_read"))
         (first_ms, first_steps, _), (second_ms, steps, tokens) = runs
         if "start_to_first_token_ms" not in result:  # the engine's first request: what a restart costs
             result["start_to_first_token_ms"] = result["engine_start_ms"] + sum(
@@ -107,7 +112,7 @@ def measure(spec: dict, started: float) -> dict:
         result["decode"][str(batch)] = {
             "step_ms": statistics.median(decode) if decode else None, "steps": len(decode),
             "compile_ms": max(first_ms - second_ms, 0.0), "run_ms": second_ms,
-            "tok_s": generated / (second_ms / 1e3), "tokens": tokens}
+            "tok_s": generated / (second_ms / 1e3), "tokens": tokens, "node": summarise(*windows)}
     before = spec_counters(llm)
     for context in spec["contexts"]:
         context_prompt = prompts(1, context, vocab, spec["seed"] + context)

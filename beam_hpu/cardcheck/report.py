@@ -37,10 +37,32 @@ def switch_table(verdict: dict) -> list[str]:
                                                 else "equal")
         accepted = f.get("accepted_length")
         row = ([name] + [_ms(f["step_ms"].get(b)) for b in batches] + [_ms(f["compile_ms"].get(b)) for b in batches]
-               + [_ms(f["ttft_ms"].get(c)) for c in contexts]
+               + [_ms(f["ttft_ms"][c]) if c in f["ttft_ms"] else "-" for c in contexts]
                + [f"{f['start_to_first_token_ms'] / 1e3:.1f}" if f.get("start_to_first_token_ms") else "-"]
                + [f"{f['tok_s_1']:.1f}" if f.get("tok_s_1") else "-", f"{accepted:.2f}" if accepted else "-", differ])
         lines.append("| " + " | ".join(row) + " |")
+    return lines + [""] + node_table(figures)
+
+
+NODE_COLUMNS = (("graph_pieces", "graph pieces a step launches", "{:.0f}"),
+                ("markers_per_step", "markers per replayed step", "{:.0f}"),
+                ("dispatch_ms", "host dispatch ms/step", "{:.2f}"), ("execute_ms", "execute_model ms/step", "{:.2f}"),
+                ("compilations", "compilations (first run)", "{:.0f}"),
+                ("recompilations", "compilations (measured run)", "{:.0f}"),
+                ("graph_memory_mib", "graph memory MiB", "{:.0f}"), ("peak_memory_mib", "peak MiB", "{:.0f}"))
+
+
+def node_table(figures: dict) -> list[str]:
+    """The workers' graph probe per setting and batch (graph_probe.py), where a card gave it."""
+    rows = [(name, batch, node) for name, f in figures.items() for batch, node in sorted(f.get("node", {}).items())]
+    if not rows:
+        why = next((f["node_why"] for f in figures.values() if f.get("node_why")), None)
+        return [f"Graph pieces, host dispatch and graph memory: not read ({why}).", ""] if why else []
+    header = ["setting", "batch"] + [title for _, title, _ in NODE_COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, batch, node in rows:
+        lines.append("| " + " | ".join([name, str(batch)] + [fmt.format(node[key]) if node.get(key) is not None else "-"
+                                                              for key, _, fmt in NODE_COLUMNS]) + " |")
     return lines + [""]
 
 

@@ -193,7 +193,8 @@ def window_kv_build(build_ms: dict[int, float], decode_step_ms: float | None) ->
 
 def summary(run: dict) -> dict:
     """The figures a verdict reads from one engine run (engine_run.py's output): decode step ms and
-    compile ms per batch, TTFT per context, tokens per second at one stream, accepted length."""
+    compile ms per batch, TTFT per context, tokens per second at one stream, accepted length; per
+    batch the graph probe's node-level figures where a card gave them."""
     if "error" in run:
         return {"error": run["error"]}
     decode = run["decode"]
@@ -202,7 +203,9 @@ def summary(run: dict) -> dict:
             "ttft_ms": {int(c): ms for c, ms in run["ttft_ms"].items()},
             "tok_s_1": decode["1"]["tok_s"] if "1" in decode else None,
             "accepted_length": run.get("accepted_length"),
-            "start_to_first_token_ms": run.get("start_to_first_token_ms")}
+            "start_to_first_token_ms": run.get("start_to_first_token_ms"),
+            "node": {int(b): d["node"] for b, d in decode.items() if d.get("node", {}).get("available")},
+            "node_why": next((d["node"]["why"] for d in decode.values() if "why" in d.get("node", {})), None)}
 
 
 def first_difference(a: dict, b: dict) -> str | None:

@@ -41,3 +41,5 @@ def test_a_shrunk_synthetic_beam_serves_through_the_engine_run(tmp_path):
     run = engine_ab.measure_setting("cpu", model, engine_ab.Setting("recipe"), workload, None, tmp_path)
     decode = run["decode"]["1"]
     assert decode["step_ms"] > 0 and len(decode["tokens"][0]) == 8 and run["ttft_ms"]["256"] > 0
+    # Every worker carried the graph probe (vLLM's worker_extension_cls) and answered it: no bridge here.
+    assert decode["node"] == {"available": False, "why": "no Habana bridge in this worker: not a card"}

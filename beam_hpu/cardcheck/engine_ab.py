@@ -43,16 +43,19 @@ class SwitchAB:
 
 
 def cookbook_recipe():
-    """serving/recipe.py of the cookbook: importable here in a checkout, else under $COOKBOOK (the
-    image copies the repository to /opt/gaudi-cookbook; the plugin itself is installed alone)."""
+    """serving/recipe.py of the cookbook: importable here, else in the checkout this package runs
+    from (an editable install: `beam-hpu` started outside the repository), else under $COOKBOOK
+    (the image copies the repository to /opt/gaudi-cookbook; the plugin itself is installed alone)."""
     try:
         from serving import recipe
     except ImportError:
-        root = os.environ.get("COOKBOOK", "/opt/gaudi-cookbook")
-        if not (Path(root) / "serving" / "recipe.py").is_file():
-            raise SystemExit(f"card-check reads the recipe's settings from serving/recipe.yaml: none under "
-                             f"COOKBOOK={root}") from None
-        sys.path.insert(0, root)
+        checkout = Path(__file__).resolve().parents[2]
+        root = Path(os.environ.get("COOKBOOK", "/opt/gaudi-cookbook"))
+        found = next((r for r in (checkout, root) if (r / "serving" / "recipe.py").is_file()), None)
+        if found is None:
+            raise SystemExit(f"card-check reads the recipe's settings from serving/recipe.yaml: none in "
+                             f"{checkout} or under COOKBOOK={root}") from None
+        sys.path.insert(0, str(found))
         from serving import recipe
     return recipe
 

@@ -3,6 +3,9 @@ settings read from serving/recipe.yaml, and the engine arguments and environment
 gets for each (the recipe's serve flags and env, the DFlash2 variant's config and bucket file)."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +66,16 @@ def test_a_setting_whose_engine_does_not_start_is_named_with_the_engines_words(t
     with pytest.raises(RuntimeError) as failed:
         measure_setting("cpu", cpu_model(tmp_path), Setting("maybe", {"BEAM_WINDOW_KV": "maybe"}), CPU, None, tmp_path)
     assert "'maybe'" in str(failed.value).splitlines()[0] and "BEAM_WINDOW_KV" in str(failed.value)
+
+
+def test_the_recipe_is_found_from_outside_the_checkout(tmp_path):
+    """`beam-hpu card-check` started in any directory reads the checkout's recipe (an editable
+    install), not only with the repository as the working directory."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COOKBOOK")}
+    proc = subprocess.run([sys.executable, "-c", "from beam_hpu.cardcheck.engine_ab import cookbook_recipe; "
+                           "print(cookbook_recipe().__file__)"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()) == Path(__file__).resolve().parents[2] / "serving" / "recipe.py"

@@ -11,7 +11,9 @@ import torch
 from beam_hpu.runtime.speculative.dflash2_prefix import PrefixContexts
 
 
-def hpu_proposer(model, k: int, *, max_num_seqs: int = 4, max_model_len: int | None = None):
+def hpu_proposer(model, k: int, *, max_num_seqs: int = 4, max_model_len: int | None = None, target=None):
+    """`target`: the served model whose embedding and LM head the drafter takes, as vllm-gaudi's
+    runner attaches it (the committed drafter's own are random otherwise)."""
     from vllm.config import get_current_vllm_config
 
     from beam_hpu.runtime.speculative.hpu_dflash2_proposer import HpuDFlash2Proposer
@@ -23,7 +25,7 @@ def hpu_proposer(model, k: int, *, max_num_seqs: int = 4, max_model_len: int | N
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
     p = HpuDFlash2Proposer(config, "cpu")
     p.vllm_config = get_current_vllm_config()  # what the step's forward context reads
-    p.attach(model)
+    p.attach(model, target)
     return p
 
 

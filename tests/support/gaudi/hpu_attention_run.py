@@ -151,17 +151,28 @@ class TreeAttentionRun:
             num_mamba_like_layers=0, pin_memory=False, device="cpu", dtype=vllm_config.model_config.dtype)
         self.metadata: list = []  # every step's metadata as the runner built it
 
-    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor, metadata, logits_indices) -> torch.Tensor:
-        """The adapter's forward ([B, S] ids and positions), then logits of the sequence's row (the
-        step's logits_indices, as the runner selects them)."""
+    def _run(self, token_ids: torch.Tensor, positions: torch.Tensor, metadata):
+        """The adapter's forward ([B, S] ids and positions): its hidden states [rows, H] and, where
+        the model was asked for auxiliary layers (a drafter's), theirs side by side [rows, A * H]."""
         from vllm.config import set_current_vllm_config
 
         self.metadata.append(metadata)
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            hidden = self.adapter_forward(input_ids=token_ids, positions=positions,
-                                          attn_metadata=self.trim(metadata))
-            row = hidden.reshape(-1, hidden.shape[-1])[logits_indices[:1].long()]
-            return self.model.compute_logits(row).float()[0]
+            out = self.adapter_forward(input_ids=token_ids, positions=positions, attn_metadata=self.trim(metadata))
+        hidden, aux = out if isinstance(out, tuple) else (out, None)
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        return rows, None if aux is None else torch.cat([a.reshape(rows.shape[0], -1) for a in aux], dim=-1)
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            return self.model.compute_logits(rows).float()
+
+    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor, metadata, logits_indices) -> torch.Tensor:
+        """Logits of the sequence's row (the step's logits_indices, as the runner selects them)."""
+        rows, _ = self._run(token_ids, positions, metadata)
+        return self._logits(rows[logits_indices[:1].long()])[0]
 
     def prefill(self, ids: list[int], context: int = 0) -> torch.Tensor:
         """One prompt chunk, ids[context:], after `context` tokens already in the cache (an earlier
@@ -183,6 +194,36 @@ class TreeAttentionRun:
         metadata = self.metadata_cls.make_decode_metadata(**vars(step.attn_metadata))
         self.length += 1
         return self._forward(step.token_ids, step.position_ids, metadata, step.logits_indices)
+
+    def prefill_states(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole prompt in one step: (its last token's logits, every prompt row's auxiliary
+        states [len(ids), A * H])."""
+        contents = SimpleNamespace(req_ids=["0"], token_ids=[list(ids)], context_lens=[0],
+                                   blocks=[self.block_table], logits_positions=[[len(ids) - 1]])
+        batch = self.form_prefill(self.runner, contents)
+        self.length = len(ids)
+        rows, aux = self._run(batch.token_ids[0], batch.position_ids[0], batch.attn_metadata[0])
+        return self._logits(rows[batch.logits_indices[0][:1].long()])[0], aux[:len(ids)]
+
+    def verify_states(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify step: `tokens` (the last emitted token and the drafts) at the cache's next
+        positions as the runner lays a decode of several tokens out (_create_decode_input_data);
+        (each token's logits [n, V], its auxiliary states [n, A * H]). The cache keeps what the
+        caller then `accept`s."""
+        table = torch.zeros((self.decode_bucket[0], len(self.block_table)), dtype=torch.int32)
+        table[0] = torch.tensor(self.block_table, dtype=torch.int32)
+        step = decode_step(self.runner_path, block_table=table, context_lens=[self.length], num_tokens=[len(tokens)],
+                           token_ids=[list(tokens)], block_size=self.block_size, window=self.processor.sliding_window,
+                           num_kv_blocks=self.num_blocks, bucketing=PaddedBatch(*self.decode_bucket))
+        metadata = self.metadata_cls.make_decode_metadata(**vars(step.attn_metadata))
+        rows, aux = self._run(step.token_ids, step.position_ids, metadata)
+        positions = step.position_ids.reshape(-1)
+        ours = torch.stack([(positions == self.length + j).nonzero()[0, 0] for j in range(len(tokens))])
+        return self._logits(rows[ours]), aux[ours]
+
+    def accept(self, kept: int) -> None:
+        """After a verify step: its first `kept` tokens stay in the sequence."""
+        self.length += kept
 
     def greedy(self, ids: list[int], steps: int, chunks: tuple[int, ...] = ()) -> tuple[list[int], torch.Tensor]:
         """(the prompt's greedy continuation, each token's logits [steps, V]): the prompt prefilled

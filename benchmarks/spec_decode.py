@@ -3,6 +3,7 @@
     python3 benchmarks/spec_decode.py                       # none vs ngram
     python3 benchmarks/spec_decode.py --spec eagle3='{"method": "eagle3", "model": "/path", ...}'
     python3 benchmarks/spec_decode.py --json OUT.json --requests 4 --rounds 5
+    python3 benchmarks/spec_decode.py --preset all --streams 1   # every method in one run
 
 One server per configuration (the demo's command line plus `--speculative-config JSON`; `none`
 is the plain server), all started before anything is measured and alive together, each on the
@@ -38,6 +39,17 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 WORKLOADS = ("copy", "tool call", "reasoning")
 COPY_TOKENS, COPY_PASSAGE, COPY_RESTART = 64, 240, 8
 IDLE_GAP_S = 2.0
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+
+
+def all_methods() -> list[tuple[str, dict | None]]:
+    """`--preset all`: a second plain server (its ratio is the run's noise floor), ngram, suffix
+    and the committed tiny EAGLE3 and DFlash2 drafters, each as the demo serves it."""
+    from beam_hpu.tiny.dflash2_drafter import speculative_config as dflash2
+    from beam_hpu.tiny.drafter import speculative_config as eagle3
+
+    return [("plain", None), ("ngram", NGRAM), ("suffix", SUFFIX), ("eagle3", json.loads(eagle3())),
+            ("dflash2", json.loads(dflash2()))]
 
 
 def spec_counters(port: int) -> tuple[float, float]:
@@ -228,6 +240,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", action="append", type=parse_spec, default=None,
                     help="NAME=JSON speculative config to compare (repeatable; default ngram k=4, lookup 2..4)")
+    ap.add_argument("--preset", choices=("all",), help="all: plain (noise floor), ngram, suffix, EAGLE3 and "
+                    "DFlash2 beside none, interleaved in one run (with --spec: added to them)")
     ap.add_argument("--requests", type=int, default=3, help="requests per stream per workload")
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
@@ -238,7 +252,8 @@ def main(argv=None) -> dict:
                          "the rows, which taxes verification (benchmarks/README.md gives both)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    configs = [("none", None)] + (args.spec or [("ngram", NGRAM)])
+    chosen = (all_methods() if args.preset == "all" else []) + (args.spec or [])
+    configs = [("none", None)] + (chosen or [("ngram", NGRAM)])
     if len({name for name, _ in configs}) != len(configs):
         ap.error("--spec names must be distinct and not 'none'")
     stream_counts = [int(s) for s in args.streams.split(",")]

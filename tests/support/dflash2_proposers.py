@@ -30,11 +30,15 @@ def hpu_proposer(model, k: int, *, max_num_seqs: int = 4, max_model_len: int | N
 
 
 class Runner:
-    """What the Gaudi proposer reads of vllm-gaudi's runner: its requests and input batch order."""
+    """What the Gaudi proposer reads of vllm-gaudi's runner: its requests and input batch order;
+    with `prompts` ({request: prompt token ids}) and `block_size`, what its prefix blocks need."""
 
-    def __init__(self, req_ids):
-        self.requests = {r: None for r in req_ids}
+    def __init__(self, req_ids, prompts: dict | None = None, block_size: int | None = None):
+        prompts = prompts or {}
+        self.requests = {r: SimpleNamespace(prompt_token_ids=prompts.get(r)) for r in req_ids}
         self.input_batch = SimpleNamespace(req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)})
+        if block_size is not None:
+            self.block_size = block_size
 
 
 def per_layer(states: torch.Tensor, n_states: int) -> list[torch.Tensor]:
@@ -42,19 +46,24 @@ def per_layer(states: torch.Tensor, n_states: int) -> list[torch.Tensor]:
     return list(states.chunk(n_states, dim=-1))
 
 
-def hpu_prefill(p, runner, rows: dict, bonus: dict, n_states: int, T: int = 12, bs: int = 4) -> torch.Tensor:
+def hpu_prefill(p, runner, rows: dict, bonus: dict, n_states: int, T: int = 12, bs: int = 4,
+                ids: dict | None = None) -> torch.Tensor:
     """One prefill batch: request r's rows[r] = (first position, [n, n * H] states), padded to
-    bs x T as vllm-gaudi pads it (position -1)."""
+    bs x T as vllm-gaudi pads it (position -1); `ids[r]`, the rows' token ids, where given."""
     first_states = next(iter(rows.values()))[1]
     positions = torch.full((bs, T), -1, dtype=torch.int32)
+    token_ids = torch.zeros(bs, T, dtype=torch.int32)
     states = first_states.new_zeros(bs, T, first_states.shape[-1])
-    for i, (start, s) in enumerate(rows.values()):
+    for i, (req_id, (start, s)) in enumerate(rows.items()):
         positions[i, :s.shape[0]] = torch.arange(start, start + s.shape[0])
         states[i, :s.shape[0]] = s
+        if ids is not None:
+            token_ids[i, :s.shape[0]] = torch.tensor(ids[req_id])
     sampled = [[] for _ in runner.input_batch.req_ids]
     for req_id, token in bonus.items():
         sampled[runner.input_batch.req_id_to_index[req_id]] = [token]
-    data = SimpleNamespace(request_ids=[list(rows)], position_ids=[positions])
+    data = SimpleNamespace(request_ids=[list(rows)], position_ids=[positions],
+                           **({} if ids is None else {"token_ids": [token_ids]}))
     return p.propose(runner, sampled, None, [per_layer(states.view(bs * T, -1), n_states)], 0, data, None)
 
 

@@ -22,6 +22,15 @@ that a card compiles and captures one graph per decode batch bucket and block:
   the host as the CPU proposer draws it (`exponential_noise`: a seeded request's from its
   generator) and handed in as one more fixed-shape input.
 
+A prefix-cache hit gives the target no states for the cached tokens, so a request whose first
+prefill row is past 0 would draft without its past. As the CPU proposer does
+(`dflash2_prefix`), the proposer follows each request's tokens through the step's token ids
+(prefill batches' and the verify layout's), keeps on the device the ring rows of every full KV
+block once its last row is written, keyed as vLLM keys the block, and hands a new request that
+starts past 0 the kept rows of its cached blocks (found from its prompt's tokens) in its ring
+slot before its first block. Kept blocks are bounded by the KV cache's block count and by
+PREFIX_BYTES of device memory, least recently used out first.
+
 Drafts go to verification as point masses, as the runner's other drafters': the port's
 `beam-sampled-verify` and `beam-grammar-verify` verify them unchanged. That stays exact for a
 sampled walk (a point-mass verifier is exact whatever drew the draft); it accepts less often than
@@ -30,6 +39,7 @@ dividing by the draft's probability, which vllm-gaudi's verify step does not tak
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -38,7 +48,15 @@ from torch import nn
 from beam_hpu.model.dflash2 import DFlash2ConfigError, drafter_config_file, mask_token_id, target_aux_layer_ids
 from beam_hpu.model.dflash2_ops import GREEDY_BELOW, exponential_noise
 from beam_hpu.runtime.speculative import dflash2_context
+from beam_hpu.runtime.speculative.dflash2_context import RequestContext
+from beam_hpu.runtime.speculative.dflash2_prefix import PrefixContexts, RequestTokens
 from beam_hpu.runtime.speculative.dflash2_ring import ContextRing, SlotTable
+
+logger = logging.getLogger(__name__)
+
+# Device memory the kept prefix blocks may take: the published drafter's rows of one 128-token
+# block take 5 layers x 128 x 2 x 1 KV head x 128 x 2 bytes (320 KiB) a card at TP 8.
+PREFIX_BYTES = 1 << 30
 
 
 class DFlash2Step(nn.Module):
@@ -95,6 +113,11 @@ class HpuDFlash2Proposer:
         self.slots = SlotTable(int(vllm_config.scheduler_config.max_num_seqs))
         self.sample_walks = getattr(spec, "draft_sample_method", "greedy") == "probabilistic"
         self.step: nn.Module | None = None
+        self.prefix: PrefixContexts | None = None  # made at the first step that names the runner's block size
+        self.tokens: dict[str, RequestTokens | None] = {}
+        self.ring_from: dict[str, int] = {}  # each request's first position with rows in its slot
+        self.pending: dict[str, int] = {}  # each request's last bonus token: the next step's first row
+        self.restored_once = False  # the first restore is logged
 
     def load_model(self, target_model: nn.Module) -> None:
         from vllm.model_executor.model_loader import get_model
@@ -132,13 +155,18 @@ class HpuDFlash2Proposer:
         """Drafts [decodes + prefilled requests, k] for one runner step, in the runner's order
         (decodes first, then each prefill batch's requests)."""
         self.slots.release_absent(set(runner.requests))
+        for gone in set(self.tokens) - set(runner.requests):
+            del self.tokens[gone]
+            self.ring_from.pop(gone, None)
+            self.pending.pop(gone, None)
         drafts = []
         if decode_data is not None and num_decodes:
             drafts.append(self._decode(runner, sampled_token_ids, aux_hidden_states, num_decodes, decode_data))
         if prefill_data is not None:
+            token_ids = getattr(prefill_data, "token_ids", None) or [None] * len(prefill_data.request_ids)
             for idx, req_ids in enumerate(prefill_data.request_ids):
                 drafts.append(self._prefill(runner, sampled_token_ids, aux_hidden_states_prefills[idx], req_ids,
-                                            prefill_data.position_ids[idx]))
+                                            prefill_data.position_ids[idx], token_ids[idx]))
         if not drafts:
             return torch.zeros(0, self.num_speculative_tokens, dtype=torch.long, device=self.device)
         return torch.cat(drafts)
@@ -167,11 +195,16 @@ class HpuDFlash2Proposer:
             states = torch.nn.functional.pad(states, (0, 0, 0, width - per))
             positions = torch.nn.functional.pad(positions, (0, width - per))
             valid = torch.nn.functional.pad(valid, (0, width - per))
+        # The accepted rows' tokens, on the host: the last bonus token, then the drafts kept (the
+        # sampled list but its new bonus), after the request's tokens so far.
+        follow = [(i, owner, len(self.tokens[owner].tokens), [self.pending[owner]] + sampled_token_ids[i][:-1])
+                  for i, owner in enumerate(owners[:num_decodes])
+                  if sampled_token_ids[i] and self.tokens.get(owner) is not None and owner in self.pending]
         drafts = self._run(self.step, states.reshape(batch * width, -1), positions, valid.to(positions.device),
-                           owners, bonus, runner)
+                           owners, bonus, runner, follow)
         return drafts[:num_decodes]
 
-    def _prefill(self, runner, sampled_token_ids, aux_states, req_ids, positions) -> torch.Tensor:
+    def _prefill(self, runner, sampled_token_ids, aux_states, req_ids, positions, token_ids=None) -> torch.Tensor:
         bs, T = positions.shape
         bonus = torch.zeros(bs, dtype=torch.long)
         for r, req_id in enumerate(req_ids):
@@ -179,21 +212,100 @@ class HpuDFlash2Proposer:
             bonus[r] = tokens[-1] if tokens else 0  # a chunk short of the prompt's end: drafts unused
         owners = list(req_ids) + [None] * (bs - len(req_ids))
         positions = positions.long()
+        follow = []
+        if token_ids is not None and self._prefix(runner) is not None:
+            # the batch's rows and ids on the host: the runner read this step's samples back already
+            host_positions, host_ids = positions.cpu(), token_ids.reshape(bs, T).cpu()
+            for r, req_id in enumerate(req_ids):
+                kept = host_positions[r] >= 0
+                if bool(kept.any()):
+                    follow.append((r, req_id, int(host_positions[r][kept][0]), host_ids[r][kept].tolist()))
         drafts = self._run(self.eager_step, _rows(aux_states, bs * T), positions, positions >= 0, owners, bonus,
-                           runner)
+                           runner, follow)
         return drafts[:len(req_ids)]
 
-    def _run(self, step, states, positions, valid, owners, bonus, runner=None) -> torch.Tensor:
+    def _run(self, step, states, positions, valid, owners, bonus, runner=None, follow=()) -> torch.Tensor:
+        """follow: (row, request, first position, token ids) of the rows this step accepts, on the
+        host: the requests' tokens followed for their prefix blocks (a prefill's new request first
+        takes back its cached blocks' rows)."""
         slots, new = self.slots.assign(owners)
         device = positions.device
         for slot in new:
             self.ring.clear(torch.tensor([slot], device=device))
+            if step is self.eager_step:  # a prompt: its request starts in this slot
+                r = slots.index(slot)
+                start = next((first for row, _, first, _ in follow if row == r), None)
+                if start is not None and self.prefix is not None:
+                    self._start(runner, owners[r], slot, start)
         from vllm.forward_context import set_forward_context
 
         walk = self._sampled_walk_inputs(runner, owners) if self.sample_walks and runner is not None else ()
         with set_forward_context(None, self.vllm_config, num_tokens=states.shape[0]):
-            return step(states, positions, valid, torch.tensor(slots, device=device), bonus.to(device),
-                        *(t.to(device) for t in walk))
+            drafts = step(states, positions, valid, torch.tensor(slots, device=device), bonus.to(device),
+                          *(t.to(device) for t in walk))
+        for r, owner, first, ids in follow:
+            self._keep(owner, slots[r], first, ids)
+        for r, owner in enumerate(owners):
+            if owner is not None:
+                self.pending[owner] = int(bonus[r])
+        return drafts
+
+    def _prefix(self, runner) -> PrefixContexts | None:
+        """The kept blocks, once the runner names its KV block size (vLLM's prefix-cache block)."""
+        if self.prefix is None and getattr(runner, "block_size", None):
+            ring, bs = self.ring, int(runner.block_size)
+            block_bytes = 2 * ring.keys[:, 0, :1].numel() * bs * ring.keys.element_size()
+            most = max(1, PREFIX_BYTES // block_bytes)
+            kv_blocks = getattr(getattr(runner, "kv_cache_config", None), "num_blocks", None)
+            self.prefix = PrefixContexts(bs, min(most, int(kv_blocks)) if kv_blocks else most)
+        return self.prefix
+
+    def _start(self, runner, owner: str, slot: int, first: int) -> None:
+        """A request new to its slot: its tokens before `first` from its prompt; past 0 (a
+        prefix-cache hit), the kept rows of its cached blocks into its slot."""
+        state = runner.requests.get(owner)
+        prompt = list(getattr(state, "prompt_token_ids", None) or [])
+        if len(prompt) < first:  # not the prompt's tokens (a resumed request): nothing to key by
+            self.tokens[owner] = None
+            return
+        prefix = self.prefix
+        self.tokens[owner] = RequestTokens([])
+        self.tokens[owner].rewind_and_append(0, prompt[:first], prefix.block_size)
+        self.ring_from[owner] = first
+        restored = prefix.restore(self.tokens[owner].keys, first, self.window) if first > 0 else None
+        if restored is None:
+            return
+        device = self.ring.keys.device
+        n = restored.positions.numel()
+        self.ring.write(torch.tensor([slot], device=device), restored.positions.view(1, n).to(device),
+                        restored.keys.to(device), restored.values.to(device),
+                        torch.ones(1, n, dtype=torch.bool, device=device))
+        self.ring_from[owner] = int(restored.positions[0])
+        if not self.restored_once:
+            self.restored_once = True
+            logger.info("beam-dflash2-proposer: a request starting at position %d (a prefix-cache hit) took back "
+                        "%d context rows of kept blocks", first, n)
+
+    def _keep(self, owner: str, slot: int, first: int, ids: list[int]) -> None:
+        """Follow the request's tokens through this step's accepted rows (from `first`) and keep
+        every full block its slot now holds whole: rows from its first in the slot, within the
+        window of its newest."""
+        tokens, prefix = self.tokens.get(owner), self.prefix
+        if tokens is None:
+            return
+        if first > len(tokens.tokens):  # rows this proposer never saw: nothing more to key by
+            self.tokens[owner] = None
+            return
+        done = len(tokens.keys)
+        tokens.rewind_and_append(first, ids, prefix.block_size)
+        bs, newest = prefix.block_size, len(tokens.tokens) - 1
+        oldest = max(self.ring_from.get(owner, 0), newest - self.window + 1)
+        for b in range(max(min(done, first // bs), -(-oldest // bs)), len(tokens.keys)):
+            positions = torch.arange(b * bs, (b + 1) * bs, device=self.ring.keys.device)
+            rows = slot * self.window + positions.remainder(self.window)
+            keys = self.ring.keys.flatten(1, 2).index_select(1, rows)
+            values = self.ring.values.flatten(1, 2).index_select(1, rows)
+            prefix.keep(tokens.keys[:b + 1], RequestContext(positions, keys, values))
 
     def _sampled_walk_inputs(self, runner, owners: list[str | None]) -> tuple[torch.Tensor, ...]:
         """(temperature [R], noise [R, k, K]) when a request of the step samples, else (): a greedy

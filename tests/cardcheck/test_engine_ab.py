@@ -74,8 +74,10 @@ def test_the_recipe_is_found_from_outside_the_checkout(tmp_path):
     import os
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COOKBOOK")}
-    proc = subprocess.run([sys.executable, "-c", "from beam_hpu.cardcheck.engine_ab import cookbook_recipe; "
-                           "print(cookbook_recipe().__file__)"], capture_output=True, text=True, cwd=tmp_path, env=env,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", "import beam_hpu; from beam_hpu.cardcheck.engine_ab import "
+                           "cookbook_recipe; print(cookbook_recipe().__file__); print(beam_hpu.__file__)"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert Path(proc.stdout.strip()) == Path(__file__).resolve().parents[2] / "serving" / "recipe.py"
+    recipe, package = proc.stdout.strip().splitlines()[-2:]
+    # the checkout the installed package is (here or, from a worktree, the one installed)
+    assert Path(recipe) == Path(package).resolve().parents[1] / "serving" / "recipe.py"

@@ -9,12 +9,13 @@ from beam_hpu.tiny import train_dflash2 as tt
 
 
 def test_shortened_training_is_bitwise_reproducible():
-    short = dict(tt.DEFAULTS, steps=2, tokens=300, anchors=4)
+    # 8 steps: 4 of copies on the first row, 2 on the first two, 2 of the task mix with the selector
+    short = dict(tt.DEFAULTS, steps=8, tokens=300, anchors=4)
     a = tt.train(**short, log_every=0).published()
     b = tt.train(**short, log_every=0).published()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    c = tt.train(**dict(short, steps=1), log_every=0).published()
+    c = tt.train(**dict(short, steps=7), log_every=0).published()
     for name in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp_conv.kernel_projection.weight",
                  "candidate_selector.successor_codebook"):  # the block term and the selector term
         assert not torch.equal(a[name], c[name]), name
@@ -43,3 +44,17 @@ def test_committed_dflash2_is_the_trainers_output():
     cfg = json.loads((DFLASH2_DIR / "config.json").read_text())
     validate_dflash2_config(type("Config", (), cfg))
     assert "embed_tokens.weight" not in read_dflash2(DFLASH2_DIR)  # the target's is shared
+
+
+def test_the_committed_drafter_copies_and_drafts_the_tasks():
+    """What the trainer's product does, offline (fresh samples, not the training draws): on copies
+    its first rows follow the passage, on tool calls it drafts most of the block; the same shapes
+    untrained draft nothing."""
+    from beam_hpu.tiny.dflash2_drafter import DFLASH2_DIR, DFlash2Shape, init_drafter, read_dflash2
+
+    trained = init_drafter(DFlash2Shape()).load_published(read_dflash2(DFLASH2_DIR)).eval()
+    untrained = init_drafter(DFlash2Shape()).eval()
+    copy, tools = [("copy", 1.0)], [("tools", 1.0)]
+    assert tt.offline_acceptance(trained, steps=2, mix=copy) > 0.8  # measured 0.99
+    assert tt.offline_acceptance(trained, steps=2, mix=tools) > 5.0  # measured 5.63
+    assert tt.offline_acceptance(untrained, steps=1, mix=tools) < 0.2

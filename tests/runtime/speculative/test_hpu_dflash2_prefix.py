@@ -44,6 +44,15 @@ def states(model):
     return torch.randn(80, width, generator=g), torch.randn(80, width, generator=g)
 
 
+def slot_rows(p, req_id):
+    """(positions, keys, values) of a request's ring slot, in position order, empty rows dropped."""
+    slot = p.slots.owner[req_id]
+    positions = p.ring.positions[slot]
+    order = positions.argsort()
+    order = order[positions[order] >= 0]
+    return positions[order], p.ring.keys[:, slot, order], p.ring.values[:, slot, order]
+
+
 def prefill(p, runner, req_id, first, tokens, table, bonus):
     rows = table[first:first + len(tokens)]
     return hpu_prefill(p, runner, {req_id: (first, rows)}, {req_id: bonus}, N_STATES, T=64, bs=4,
@@ -84,8 +93,14 @@ def test_blocks_completed_by_verify_steps_are_kept_with_their_accepted_tokens(mo
     d_prompt = a_tokens[:48] + [201, 202, 203]
     runner.requests["d"].prompt_token_ids = d_prompt
     hit = prefill(p, runner, "d", 48, d_prompt[48:], accepted, 21)
-    cold = prefill(hpu_proposer(model, K), Runner(["d"], prompts={"d": d_prompt}, block_size=BLOCK), "d", 0,
-                   d_prompt, accepted, 21)
+    q = hpu_proposer(model, K)
+    cold = prefill(q, Runner(["d"], prompts={"d": d_prompt}, block_size=BLOCK), "d", 0, d_prompt, accepted, 21)
+    # d's slot holds the rows of positions 0..50, the first 48 taken back: a's, computed in its prefill
+    # and verify layouts, against the cold run's from one prefill (fp32, apart by rounding only)
+    hit_rows, cold_rows = slot_rows(p, "d"), slot_rows(q, "d")
+    assert hit_rows[0].tolist() == cold_rows[0].tolist() == list(range(51))
+    for got, want in zip(hit_rows[1:], cold_rows[1:]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(hit, cold), (hit, cold)
     # The kept blocks are a's three full ones, keyed by its tokens (not by a rejected row's)
     assert len(p.prefix.blocks) == 3

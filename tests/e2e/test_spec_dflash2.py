@@ -18,7 +18,11 @@ target's top token there (~0.5): the plain server's top logprobs give the expect
 and a chi-square test at ALPHA must accept both servers' draws and reject what a verifier
 accepting every draft, or none, would emit. A third server samples the selector walk
 (`draft_sample_method: probabilistic`) and hands verification each draft's probability: its draws
-must pass the same test. On the drafted server vLLM refuses `min_p` and `logit_bias` (both served
+must pass the same test. Beyond that one position, each server draws ten tokens of the same
+prompt, and a chat answer under a json_schema grammar, many times: every drawn token must follow
+the target's law (the grammar's mask included) given the draw before it, by a uniformity test of
+their randomised PITs over all positions, which rejects a verifier keeping the top token always
+or never. On the drafted server vLLM refuses `min_p` and `logit_bias` (both served
 without speculation) with HTTP 400 naming the field.
 """
 
@@ -36,6 +40,8 @@ from beam_hpu.tiny import tasks as syn
 from beam_hpu.tiny.checkpoint import TRAINED_DIR
 from beam_hpu.tiny.dflash2_drafter import SERVED_DRAFTS, speculative_config
 from tests.support.readme_requests import demo_requests
+from tests.support.sampling_law import (chi_square_p_value, pit_values, sampled_distribution,
+                                        uniformity_p_value)
 from tests.support.served_spec import accepted_and_rejected, chat_once, spec_counters
 from tests.support.server import Server
 
@@ -106,6 +112,71 @@ def second_token_draws(server) -> dict:
             "draws": [tuple(c["token_ids"]) for c in sampled.json()["choices"]]}
 
 
+# Several positions and a grammar: SAMPLES seeded draws of whole answers, each drawn token with
+# the top logprobs the server reports there (the target's law given the tokens before it), pooled
+# into one uniformity test of their randomised PITs (tests/support/sampling_law.py). `prompt`:
+# the distribution prompt's first WALK_TOKENS tokens, most of them uncertain past the first (about
+# 4 in 10 draws fall where the law is not a point mass). `grammar`: a chat answer under a
+# json_schema whose only field is an enum without the city asked about: the grammar masks the
+# target's own choice (Perth) and the two cities it allows come out about even.
+WALKS = ("prompt", "grammar")
+WALK_TOKENS = 10
+GRAMMAR_SAMPLES = 200
+GRAMMAR_ASKED, GRAMMAR_ENUM = "Perth", ["Rome", "Tokyo"]
+GRAMMAR_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+    "type": "object", "properties": {"city": {"enum": GRAMMAR_ENUM}}, "required": ["city"], "additionalProperties": False}}}
+
+
+def sampled_sequences(server, kind: str) -> dict:
+    """One request of `kind` drawn many times (n, seeded as above): per draw its tokens and the
+    top logprobs reported at each, the chat contents, and the spec counters' change over it."""
+    common = {"model": server.model, "seed": FIRST_SEED, "return_tokens_as_token_ids": True, **SAMPLING}
+    before = spec_counters(server)
+    if kind == "prompt":
+        body = {**common, "prompt": distribution_prompt(), "max_tokens": WALK_TOKENS, "n": SAMPLES,
+                "logprobs": SAMPLING["top_k"]}
+        r = httpx.post(f"{server.base_url}/completions", json=body, timeout=600).raise_for_status().json()
+        rows = [list(zip(c["logprobs"]["tokens"], c["logprobs"]["top_logprobs"])) for c in r["choices"]]
+        contents = [c["text"] for c in r["choices"]]
+    else:
+        body = {**common, "messages": [{"role": "user", "content": syn.json_prompt(GRAMMAR_ASKED)}],
+                "response_format": GRAMMAR_FORMAT, "max_tokens": 48, "n": GRAMMAR_SAMPLES, "logprobs": True,
+                "top_logprobs": SAMPLING["top_k"]}
+        r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=600).raise_for_status().json()
+        rows = [[(e["token"], {t["token"]: t["logprob"] for t in e["top_logprobs"]}) for e in c["logprobs"]["content"]]
+                for c in r["choices"]]
+        contents = [(c["message"]["content"], c["finish_reason"]) for c in r["choices"]]
+    after = spec_counters(server)
+
+    def token_id(text: str) -> int:
+        return int(text.removeprefix("token_id:"))
+
+    sequences = [([token_id(t) for t, _ in row], [{token_id(k): v for k, v in top.items()} for _, top in row])
+                 for row in rows]
+    return {"sequences": sequences, "contents": contents, "counters": {k: after[k] - before[k] for k in before}}
+
+
+def same_law_where_prefixes_meet(run: dict, plain: dict) -> int:
+    """Where a draw of `run` passed a prefix the plain server's draws also passed, the logprobs
+    reported there must be the plain server's (to fp32 rounding across batch shapes; a grammar's
+    masked tokens alike): the laws the PITs use are the target's, not the drafted server's say.
+    Returns how many positions were compared."""
+    reference: dict[tuple, dict[int, float]] = {}
+    for tokens, tops in plain["sequences"]:
+        for t in range(len(tokens)):
+            reference.setdefault(tuple(tokens[:t]), tops[t])
+    compared = 0
+    for tokens, tops in run["sequences"]:
+        for t in range(len(tokens)):
+            ref = reference.get(tuple(tokens[:t]))
+            if ref is None:
+                continue
+            shared = set(ref) & set(tops[t])
+            assert shared and all(abs(ref[k] - tops[t][k]) < 1e-3 for k in shared), (t, ref, tops[t])
+            compared += 1
+    return compared
+
+
 def refusals(server) -> dict[str, tuple[int, str]]:
     """Status and error message of one chat request per field in REFUSED."""
     out = {}
@@ -137,7 +208,8 @@ def run_all(server) -> dict:
     chats = [[chat_once(client, server.model, r, stream, max_tokens=64) for stream in (False, True)] for r in chat_requests()]
     all_counters = spec_counters(server)
     return {"copies": copies, "chats": chats, "copy_counters": copy_counters, "all_counters": all_counters,
-            "distribution": second_token_draws(server), "refusals": refusals(server)}
+            "distribution": second_token_draws(server), "refusals": refusals(server),
+            "walks": {kind: sampled_sequences(server, kind) for kind in WALKS}}
 
 
 def second_turn(server) -> dict:
@@ -230,36 +302,6 @@ def test_chat_answers_identical_streamed_and_not(runs):
     assert accepted_and_rejected(c["accepted"], c["draft_tokens"]), c
 
 
-def sampled_distribution(top_logprobs: dict[int, float], temperature: float, top_k: int, top_p: float) -> dict[int, float]:
-    """The distribution vLLM's sampler draws from, from raw logprobs (vLLM 0.30's default
-    logprobs mode) of at least the top_k largest tokens: scaled by the temperature, the top_k
-    largest kept and renormalised, then top-p as `apply_top_k_top_p_pytorch` does it: in
-    ascending order, a token goes while the running sum up to it is at most 1 - top_p (the
-    largest always stays)."""
-    assert len(top_logprobs) >= top_k
-    kept = sorted(top_logprobs.items(), key=lambda item: item[1], reverse=True)[:top_k]
-    probs = torch.tensor([lp for _, lp in kept], dtype=torch.float64).div(temperature).softmax(0)
-    ascending = probs.flip(0)
-    dropped = ascending.cumsum(0) <= 1 - top_p
-    dropped[-1] = False
-    kept_probs = torch.where(dropped, 0.0, ascending).flip(0)
-    kept_probs = kept_probs / kept_probs.sum()
-    return {token: float(p) for (token, _), p in zip(kept, kept_probs) if p > 0}
-
-
-def chi_square_p_value(counts: dict[int, int], expected: dict[int, float]) -> float:
-    """Pearson's goodness-of-fit p-value of `counts` against `expected` (a draw of a token
-    outside it, probability 0, gives 0). Survival function of chi-square with (cells - 1)
-    degrees of freedom: the regularised upper incomplete gamma function Q(df / 2, x / 2)."""
-    if any(n and token not in expected for token, n in counts.items()):
-        return 0.0
-    total = sum(counts.values())
-    statistic = sum((counts.get(token, 0) - total * p) ** 2 / (total * p) for token, p in expected.items())
-    df = len(expected) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
-
-
 def second_token_counts(draws: list[tuple[int, ...]], first: int) -> dict[int, int]:
     counts: dict[int, int] = {}
     for tokens in draws:
@@ -318,7 +360,8 @@ def sampled_walk_run(runs):
     config = {**json.loads(speculative_config()), "draft_sample_method": "probabilistic"}
     server = Server(TRAINED_DIR, extra=["--dtype", "float32", "--speculative-config", json.dumps(config)])
     try:
-        return {"distribution": second_token_draws(server), "log": server.log_text()}
+        return {"distribution": second_token_draws(server), "log": server.log_text(),
+                "walks": {kind: sampled_sequences(server, kind) for kind in WALKS}}
     finally:
         server.stop()
 
@@ -335,6 +378,69 @@ def test_a_sampled_walk_is_exact_in_distribution(runs, sampled_walk_run):
     assert run["greedy"] == plain["greedy"]
     assert run["sampled_counters"]["drafts"] >= SAMPLES, run["sampled_counters"]
     assert_second_token_follows("dflash2 sampled walk", run, first, expected)
+
+
+def walk_runs(runs, sampled_walk_run, kind: str) -> list[tuple[str, dict]]:
+    return [("plain", runs[0]["walks"][kind]), ("dflash2", runs[1]["walks"][kind]),
+            ("dflash2 sampled walk", sampled_walk_run["walks"][kind])]
+
+
+def assert_draws_follow_the_law(name: str, run: dict, plain: dict, refused: bool = True) -> list[int]:
+    """The PIT test on one server's draws (the plain server's laws checked where prefixes meet),
+    and, on a drafted server, verify steps that kept drafted tokens and (`refused`) refused some;
+    -> the positions where the law was not a point mass."""
+    values, positions = pit_values(run["sequences"], SAMPLING, seed=FIRST_SEED)
+    p_value = uniformity_p_value(values)
+    compared = same_law_where_prefixes_meet(run, plain)
+    c = run["counters"]
+    print(f"{name}: {len(values)} uncertain draws at positions {sorted(set(positions))}, PIT uniformity p = "
+          f"{p_value:.3g}; laws compared with the plain server's at {compared} positions; spec counters {c}")
+    assert p_value >= ALPHA, (name, p_value)
+    assert compared >= len(run["sequences"]), (name, compared)
+    if name != "plain":
+        assert c["drafts"] >= len(run["sequences"]) and c["accepted"] > 0, c
+        assert accepted_and_rejected(c["accepted"], c["draft_tokens"]) or not refused, c
+    return positions
+
+
+def assert_the_test_refuses_a_broken_verifier(plain: dict) -> None:
+    """What a verifier keeping the law's top token everywhere (accept-all over greedy drafts), or
+    never, would emit at the same positions: the same test must reject both."""
+    for broken in ("top", "not top"):
+        values, _ = pit_values(plain["sequences"], SAMPLING, seed=FIRST_SEED, top_as=broken)
+        assert uniformity_p_value(values) < ALPHA, broken
+
+
+def test_sampled_draws_follow_the_target_law_at_every_position(runs, sampled_walk_run):
+    """Ten tokens of SAMPLES seeded draws on each server (plain, drafted with the greedy walk,
+    drafted with the sampled walk): every drawn token, at every position, follows the target's law
+    given the draw so far, by one test over all positions; the test rejects a broken verifier."""
+    plain = runs[0]["walks"]["prompt"]
+    for name, run in walk_runs(runs, sampled_walk_run, "prompt"):
+        positions = assert_draws_follow_the_law(name, run, plain)
+        assert len(set(positions)) >= 5 and len(positions) >= SAMPLES, (name, len(positions))
+    assert_the_test_refuses_a_broken_verifier(plain)
+
+
+def test_sampled_draws_under_a_grammar_follow_the_masked_target_law(runs, sampled_walk_run):
+    """A json_schema answer drawn GRAMMAR_SAMPLES times on each server: every answer is one of the
+    enum's two objects, both come out, and every drawn token follows the target's law with the
+    grammar's mask (the masked tokens report -9999 at the city, where the draws are uncertain).
+    Drafts are verified inside the grammar; at the city the drafter drafts the city asked about,
+    which the grammar refuses (vLLM cuts a draft at its first token the grammar refuses), so the
+    city is the verify step's own draw from the masked law and the greedy walk's verified drafts
+    are all kept (the sampled walk's drawn drafts are refused at times)."""
+    plain = runs[0]["walks"]["grammar"]
+    allowed = {json.dumps({"city": city}) for city in GRAMMAR_ENUM}
+    for name, run in walk_runs(runs, sampled_walk_run, "grammar"):
+        contents = {content for content, _ in run["contents"]}
+        assert contents == allowed and {finish for _, finish in run["contents"]} == {"stop"}, (name, run["contents"][:4])
+        positions = assert_draws_follow_the_law(name, run, plain, refused=False)
+        assert len(positions) >= GRAMMAR_SAMPLES, (name, len(positions))
+        masked = [any(lp <= -9999 for lp in tops[t].values())
+                  for _, tops in run["sequences"] for t in range(len(tops)) if t in set(positions)]
+        assert any(masked), name
+    assert_the_test_refuses_a_broken_verifier(plain)
 
 
 def test_dflash2_server_refuses_min_p_and_logit_bias_naming_the_field(runs):

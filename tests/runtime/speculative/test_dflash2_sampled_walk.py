@@ -17,16 +17,9 @@ import torch
 from beam_hpu.model.dflash2_ops import greedy_walk, sampled_walk
 from tests.support.dflash2_proposers import cpu_propose, cpu_proposer
 from tests.support.dflash2_served import tiny_dflash2
+from tests.support.sampling_law import chi_square_p_value
 
 K, T, WALKS, ALPHA = 3, 0.7, 20000, 1e-4
-
-
-def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
-    """Pearson's goodness of fit of `counts` against probabilities `expected` (same shape)."""
-    n = counts.sum()
-    statistic = ((counts - n * expected) ** 2 / (n * expected)).sum()
-    df = expected.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), statistic.double() / 2))
 
 
 @pytest.fixture
@@ -40,6 +33,10 @@ def scores():
 def joint_law(one: torch.Tensor) -> torch.Tensor:
     first = (one[0, 0, 0] / T).softmax(-1)  # [K]
     return first[:, None] * (one[0, 1] / T).softmax(-1)  # [a, b]
+
+
+def as_cells(counts: torch.Tensor, law: torch.Tensor) -> tuple[dict, dict]:
+    return dict(enumerate(counts.flatten().tolist())), dict(enumerate(law.flatten().tolist()))
 
 
 def counts_of(tokens: torch.Tensor) -> torch.Tensor:
@@ -56,13 +53,13 @@ def test_many_sampled_walks_follow_the_chain_law(scores):
     tokens, dists = sampled_walk(one.expand(WALKS, -1, -1, -1), ids.expand(WALKS, -1, -1),
                                  torch.full((WALKS,), T), noise)
     law = joint_law(one)
-    assert chi_square_p_value(counts_of(tokens), law) >= ALPHA
+    assert chi_square_p_value(*as_cells(counts_of(tokens), law)) >= ALPHA
     # what each walk was drawn from: the first row, then its pick's row
     torch.testing.assert_close(dists[:, 0], (one[0, 0, 0] / T).softmax(-1).expand(WALKS, K))
     torch.testing.assert_close(dists[:, 1], (one[0, 1, tokens[:, 0] - 10] / T).softmax(-1))
     # the same test refuses the greedy walk's counts: it can tell a draw from the argmax
     greedy, _ = greedy_walk(one.expand(WALKS, -1, -1, -1), ids.expand(WALKS, -1, -1))
-    assert chi_square_p_value(counts_of(greedy), law) < ALPHA
+    assert chi_square_p_value(*as_cells(counts_of(greedy), law)) < ALPHA
 
 
 def test_a_greedy_request_in_the_batch_walks_greedily(scores):

@@ -9,7 +9,7 @@ response grammar on every chat step), streamed and not; and a completion that en
 length, where the drafter's last blocks reach past it (their rows there are clamped; unclamped,
 vLLM-CPU's rotary kernel reads past its table unchecked and the answer is the same, so this is an
 end-to-end check of the end, not of the clamp: test_cpu_dflash2_proposer.py checks that). The proposer must have drafted, and its
-mean accepted length is printed.
+mean accepted length on the copies is the trainer's offline replay of the same requests'.
 
 Sampled requests are exact in distribution: the same two servers draw the first two tokens of
 SAMPLES seeded completions (temperature 1, top_k, top_p) at a prompt where the first token is all
@@ -198,6 +198,7 @@ def run_all(server) -> dict:
         c = client.completions.create(model=server.model, prompt=p, max_tokens=40, temperature=0,
                                       extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
         copies.append(list(c.token_ids))
+    passage_counters = spec_counters(server)
     # a completion that ends at the model length: its last blocks reach past it
     (passage,) = copy_prompts(n=1, length=64, restart=0)
     long = (passage * (MAX_MODEL_LEN // len(passage) + 1))[:MAX_MODEL_LEN - TO_THE_END]
@@ -207,7 +208,8 @@ def run_all(server) -> dict:
     copy_counters = spec_counters(server)
     chats = [[chat_once(client, server.model, r, stream, max_tokens=64) for stream in (False, True)] for r in chat_requests()]
     all_counters = spec_counters(server)
-    return {"copies": copies, "chats": chats, "copy_counters": copy_counters, "all_counters": all_counters,
+    return {"copies": copies, "chats": chats, "passage_counters": passage_counters, "copy_counters": copy_counters,
+            "all_counters": all_counters,
             "distribution": second_token_draws(server), "refusals": refusals(server),
             "walks": {kind: sampled_sequences(server, kind) for kind in WALKS}}
 
@@ -271,6 +273,23 @@ def test_copy_is_token_identical_and_dflash2_drafted(runs):
     assert "(selector walk: greedy)" in spec["log"] and "verifying drafts against" not in spec["log"]
     assert c["drafts"] > 0
     print(f"DFlash2 tiny drafter, k={DRAFTED}: mean accepted length on copy {1 + c['accepted'] / c['drafts']:.2f}")
+
+
+def test_the_trainers_replay_of_a_served_run_predicts_its_acceptance(runs):
+    """`train_dflash2.served_loop_acceptance` (what a drafter being trained is judged by) replays
+    the three copy requests' greedy verify loop offline with transformers' target and the
+    trainer's own drafter; the drafted server's mean accepted length over the same requests must
+    agree (fp32 on both sides) within about one draft flipped at a near-tie. Shifting the served
+    blocks' positions by one moves it twice as far (2.47 against 2.52)."""
+    from beam_hpu.tiny.dflash2_drafter import DFLASH2_DIR, DFlash2Shape, init_drafter, read_dflash2
+    from beam_hpu.tiny.train_dflash2 import served_loop_acceptance
+
+    c = runs[1]["passage_counters"]
+    served = 1 + c["accepted"] / c["drafts"]
+    drafter = init_drafter(DFlash2Shape(), 0).load_published(read_dflash2(DFLASH2_DIR)).eval()
+    replayed = served_loop_acceptance(drafter, copy_prompts(), tokens=40)
+    print(f"copy: served mean accepted length {served:.3f}, replayed offline {replayed:.3f}")
+    assert abs(served - replayed) <= 1.5 / c["drafts"], (served, replayed, c)
 
 
 def test_a_second_turn_on_cached_blocks_drafts_from_their_kept_context(runs):

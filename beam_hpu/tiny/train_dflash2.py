@@ -148,6 +148,19 @@ def train(steps: int, lr: float, seed: int, max_len: int, tokens: int, anchors: 
     return drafter.eval()
 
 
+def greedy_drafts(drafter, embed, lm_head, soft_cap, block_ids, positions, ctx_k, ctx_v, ctx_pos, ctx_valid):
+    """Blocks [R, B] (bonus, masks) at positions [R, B] over their contexts -> the selector's
+    greedy walk [R, B - 1], as the served proposer drafts."""
+    from beam_hpu.model.dflash2_ops import greedy_walk, score_edges
+
+    hidden = drafter.block(F.embedding(block_ids, embed), positions, ctx_k, ctx_v, ctx_pos, ctx_valid)[:, 1:]
+    logits = soft_cap * torch.tanh(hidden @ lm_head.T / soft_cap)
+    unary, cand = logits.topk(drafter.shape.selector_top_k, dim=-1)
+    scores = score_edges(drafter.predecessor_codebook, drafter.successor_codebook, cand, unary,
+                         drafter.hidden_projection(hidden), block_ids[:, 0])
+    return greedy_walk(scores, cand)[0]
+
+
 @torch.no_grad()
 def offline_acceptance(drafter, steps: int = 4, seed: int = 1, tokens: int = 1600, anchors: int = 16,
                        block: int = TRAIN_BLOCK, mix: list[tuple[str, float]] | None = None) -> float:
@@ -155,8 +168,6 @@ def offline_acceptance(drafter, steps: int = 4, seed: int = 1, tokens: int = 160
     task samples (seed other than training's; `mix` the tasks, the trainer's by default), the
     selector's greedy walk against the target's greedy
     tokens; a draft counts while every earlier one in its block matched. Not a served figure."""
-    from beam_hpu.model.dflash2_ops import greedy_walk, score_edges
-
     target, tok = load_target()
     embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
     soft_cap = float(target.config.final_logit_softcapping)
@@ -174,13 +185,8 @@ def offline_acceptance(drafter, steps: int = 4, seed: int = 1, tokens: int = 160
         positions = starts[:, None] + torch.arange(block)
         block_ids = torch.full((R, block), MASK_TOKEN_ID, dtype=torch.long)
         block_ids[:, 0] = ids[seqs, starts]
-        hidden = drafter.block(F.embedding(block_ids, embed), positions, ctx_k[:, seqs], ctx_v[:, seqs],
-                               pos_all.expand(R, L), pos_all[None] < starts[:, None])[:, 1:]
-        logits = soft_cap * torch.tanh(hidden @ lm_head.T / soft_cap)
-        unary, cand = logits.topk(drafter.shape.selector_top_k, dim=-1)
-        scores = score_edges(drafter.predecessor_codebook, drafter.successor_codebook, cand, unary,
-                             drafter.hidden_projection(hidden), block_ids[:, 0])
-        drafts, _ = greedy_walk(scores, cand)
+        drafts = greedy_drafts(drafter, embed, lm_head, soft_cap, block_ids, positions, ctx_k[:, seqs],
+                               ctx_v[:, seqs], pos_all.expand(R, L), pos_all[None] < starts[:, None])
         labels = greedy[seqs[:, None], positions[:, 1:] - 1]
         accepted += (drafts == labels).long().cumprod(dim=1).sum().item()
         blocks += R
@@ -195,8 +201,6 @@ def served_loop_acceptance(drafter, prompts: list[list[int]], tokens: int, block
     the selector's greedy walk, the drafts kept up to the first one the target does not emit, the
     next block after the kept ones and the bonus, until `tokens` are out. Unlike
     `offline_acceptance` (anchors of the training tasks) it predicts a served run on those prompts."""
-    from beam_hpu.model.dflash2_ops import greedy_walk, score_edges
-
     target, _ = load_target()
     embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
     soft_cap = float(target.config.final_logit_softcapping)
@@ -207,20 +211,15 @@ def served_loop_acceptance(drafter, prompts: list[list[int]], tokens: int, block
             full.append(int(target(input_ids=torch.tensor([full]), use_cache=False).logits[0, -1].argmax()))
         full = torch.tensor(full)
         aux, _ = target_states(target, full[None])
-        L, pos_all = full.shape[0], torch.arange(full.shape[0])
+        pos_all = torch.arange(full.shape[0])
         ctx_k, ctx_v = drafter.context(aux, pos_all[None])
         a, end = len(prompt), len(prompt) + tokens
         while a < end - 1:  # a verify step follows every block drafted before the last token
             block_ids = torch.full((1, block), MASK_TOKEN_ID, dtype=torch.long)
             block_ids[0, 0] = full[a]
             positions = (a + torch.arange(block))[None]
-            hidden = drafter.block(F.embedding(block_ids, embed), positions, ctx_k, ctx_v, pos_all[None],
-                                   (pos_all < a)[None])[:, 1:]
-            logits = soft_cap * torch.tanh(hidden @ lm_head.T / soft_cap)
-            unary, cand = logits.topk(drafter.shape.selector_top_k, dim=-1)
-            scores = score_edges(drafter.predecessor_codebook, drafter.successor_codebook, cand, unary,
-                                 drafter.hidden_projection(hidden), block_ids[:, 0])
-            drafts, _ = greedy_walk(scores, cand)
+            drafts = greedy_drafts(drafter, embed, lm_head, soft_cap, block_ids, positions, ctx_k, ctx_v,
+                                   pos_all[None], (pos_all < a)[None])
             kept = int((drafts[0] == full[a + 1:a + block]).long().cumprod(0).sum())
             accepted, steps, a = accepted + kept, steps + 1, a + kept + 1
     return 1 + accepted / max(steps, 1)

@@ -70,7 +70,8 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from beam_hpu.location import local_checkpoint_dir
 from beam_hpu.model.cpu_fused_norm import beam_rms_norm
-from beam_hpu.model.dflash2_ops import block_attention, greedy_walk, grouped_conv, sampled_walk, score_edges
+from beam_hpu.model.dflash2_ops import (block_attention, block_mask, greedy_walk, grouped_conv, sampled_walk,
+                                        score_edges)
 from beam_hpu.model.ops import swiglu_fp32
 
 REQUIRED_DFLASH_KEYS = ("target_layer_ids", "conv_kernel_size", "conv_group_size", "selector_rank",
@@ -232,13 +233,13 @@ class DFlash2BeamAttention(nn.Module):
         return k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                ctx: DFlash2Context) -> torch.Tensor:
+                seen: torch.Tensor) -> torch.Tensor:
+        """x [R, B, H] at positions [R, B] over one layer's context keys and values; seen: `block_mask`."""
         R, B, H = x.shape
         q, k, v = self._qkv(x.reshape(R * B, H), positions.reshape(R * B))
         out = block_attention(
             q.view(R, B, self.num_heads, self.head_dim), k.view(R, B, self.num_kv_heads, self.head_dim),
-            v.view(R, B, self.num_kv_heads, self.head_dim), positions, ctx_k, ctx_v, ctx.positions, ctx.valid,
-            self.window, self.head_dim**-0.5, ctx.block_valid,
+            v.view(R, B, self.num_kv_heads, self.head_dim), ctx_k, ctx_v, seen, self.head_dim**-0.5,
         )  # [R, B, Nq, D]
         out, _ = self.o_proj(out.reshape(R * B, self.q_size))
         return out.view(R, B, H)
@@ -271,10 +272,10 @@ class DFlash2BeamDecoderLayer(nn.Module):
         self.mlp_conv = DFlash2Conv(config.hidden_size, taps, group, prefix=f"{prefix}.mlp_conv")
 
     def forward(self, residual: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, ctx: DFlash2Context) -> torch.Tensor:
+                ctx_v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
         """residual [R, B, H] -> the residual after this layer's two adds."""
         x, delta = self.attention_conv.prepare(self.input_layernorm(residual))
-        attn = self.self_attn(x, positions, ctx_k, ctx_v, ctx)
+        attn = self.self_attn(x, positions, ctx_k, ctx_v, seen)
         residual = residual + self.attention_conv.finish(attn, delta)
         x, delta = self.mlp_conv.prepare(self.post_attention_layernorm(residual))
         return residual + self.mlp_conv.finish(self.mlp(x), delta)
@@ -329,8 +330,10 @@ class DFlash2BeamModel(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """[R, B] ids (bonus, mask, ...) and positions -> [R, B, H] final-normed hidden states."""
         residual = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)  # [R, B, H]
+        seen = block_mask(positions, context.positions, context.valid, self.config.sliding_window,
+                          context.block_valid)  # [R, B, C+B], every layer's
         for i, layer in enumerate(self.layers):
-            residual = layer(residual, positions, context.keys[i], context.values[i], context)
+            residual = layer(residual, positions, context.keys[i], context.values[i], seen)
         return self.norm(residual)
 
 

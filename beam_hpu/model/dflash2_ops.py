@@ -26,6 +26,7 @@ Sources of the equations (the module docstring of beam_hpu/model/dflash2.py list
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def grouped_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -36,55 +37,50 @@ def grouped_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> to
     with x[b - t] = 0 when b < t (no tap reaches across the block start). Accumulates in fp32.
     """
     taps, H = base.shape
-    G = delta.shape[-1]
-    coeff = base.float()[None, None] + delta.float().repeat_interleave(H // G, dim=-1)  # [R, B, taps, H]
+    R, B, _, G = delta.shape
+    # channel c is in group c // (H / G): the group's coefficient broadcast over its channels
+    coeff = (base.float().view(taps, G, H // G) + delta.float()[..., None]).view(R, B, taps, H)
     xf = x.float()
     out = coeff[:, :, 0] * xf
     for t in range(1, taps):
-        shifted = torch.zeros_like(xf)
-        shifted[:, t:] = xf[:, :-t]  # [R, B, H]: row b holds x[b - t]
+        shifted = F.pad(xf[:, :-t], (0, 0, t, 0))  # [R, B, H]: row b holds x[b - t], zeros above
         out = out + coeff[:, :, t] * shifted
     return out.to(x.dtype)
 
 
-def block_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    ctx_k: torch.Tensor,
-    ctx_v: torch.Tensor,
-    ctx_pos: torch.Tensor,
-    ctx_valid: torch.Tensor,
-    window: int | None,
-    scale: float,
-    block_valid: torch.Tensor | None = None,
-) -> torch.Tensor:
+def block_mask(q_pos: torch.Tensor, ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, window: int | None,
+               block_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Which keys each block row sees, [R, B, C+B] bool (keys: the context, then the block's own
+    rows), the same in every layer. q_pos [R, B]; ctx_pos [R, C]; ctx_valid [R, C] (padding slots
+    False); block_valid [R, B] or None (all True): a block row that is False is no key for the
+    others (a row past the model length). Non-causal; with a window, key j is seen from row i when
+    |pos_i - pos_j| < window."""
+    key_pos = torch.cat([ctx_pos, q_pos], dim=1)  # [R, C+B]
+    own = torch.ones_like(q_pos, dtype=torch.bool) if block_valid is None else block_valid
+    seen = torch.cat([ctx_valid, own], dim=1)[:, None, :]  # [R, 1, C+B]
+    if window is None:
+        return seen.expand(-1, q_pos.shape[1], -1)
+    gap = q_pos[:, :, None] - key_pos[:, None, :]  # [R, B, C+B]
+    return seen & (gap < window) & (gap > -window)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                    seen: torch.Tensor, scale: float) -> torch.Tensor:
     """Non-causal attention of each query block over its context and over the whole block.
 
-    q [R, B, Nq, D]; k, v [R, B, Nkv, D] (the block's own keys); q_pos [R, B]; ctx_k, ctx_v
-    [R, C, Nkv, D]; ctx_pos [R, C]; ctx_valid [R, C] bool (padding slots False); block_valid
-    [R, B] bool or None (all True): a block row that is False is no key for the others (a row
-    past the model length). Returns [R, B, Nq, D]. Query head h reads KV head h // (Nq / Nkv).
-    Softmax in fp32.
+    q [R, B, Nq, D]; k, v [R, B, Nkv, D] (the block's own keys); ctx_k, ctx_v [R, C, Nkv, D];
+    seen [R, B, C+B] (`block_mask`). Returns [R, B, Nq, D]. Query head h reads KV head
+    h // (Nq / Nkv). Softmax in fp32.
     """
     R, B, Nq, D = q.shape
     Nkv = k.shape[2]
     keys = torch.cat([ctx_k, k], dim=1).float()  # [R, C+B, Nkv, D]
     values = torch.cat([ctx_v, v], dim=1).float()
-    key_pos = torch.cat([ctx_pos, q_pos], dim=1)  # [R, C+B]
-    own = torch.ones_like(q_pos, dtype=torch.bool) if block_valid is None else block_valid
-    seen = torch.cat([ctx_valid, own], dim=1)[:, None, :]  # [R, 1, C+B]
-    if window is not None:
-        gap = q_pos[:, :, None] - key_pos[:, None, :]  # [R, B, C+B]
-        seen = seen & (gap < window) & (gap > -window)
-    group = Nq // Nkv
-    keys = keys.repeat_interleave(group, dim=2)  # [R, C+B, Nq, D]
-    values = values.repeat_interleave(group, dim=2)
-    scores = torch.einsum("rbhd,rjhd->rhbj", q.float(), keys) * scale  # [R, Nq, B, C+B]
-    scores = scores.masked_fill(~seen[:, None], float("-inf"))
+    grouped = q.float().view(R, B, Nkv, Nq // Nkv, D)  # the query heads of each KV head together
+    scores = torch.einsum("rbkgd,rjkd->rkgbj", grouped, keys) * scale  # [R, Nkv, Nq / Nkv, B, C+B]
+    scores = scores.masked_fill(~seen[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("rhbj,rjhd->rbhd", probs, values).to(q.dtype)
+    return torch.einsum("rkgbj,rjkd->rbkgd", probs, values).reshape(R, B, Nq, D).to(q.dtype)
 
 
 def score_edges(
@@ -114,19 +110,17 @@ def greedy_walk(scores: torch.Tensor, candidate_ids: torch.Tensor) -> tuple[torc
 
     Position 0 reads row 0 (every predecessor there is the anchor); position t reads the row of
     the candidate chosen at t - 1. The rows are the draft's logits over its K candidates (what a
-    sampled walk would draw from and rejection sampling would check against).
+    sampled walk would draw from and rejection sampling would check against). Every row's best
+    candidate is found at once; the walk only follows them (one small gather a position).
     """
     R, N, K = candidate_ids.shape
-    prev = torch.zeros(R, dtype=torch.long, device=scores.device)
-    tokens, rows = [], []
-    batch = torch.arange(R, device=scores.device)
-    for t in range(N):
-        row = scores[batch, t, prev]  # [R, K]
-        pick = row.argmax(dim=-1)
-        tokens.append(candidate_ids[batch, t, pick])
-        rows.append(row)
-        prev = pick
-    return torch.stack(tokens, dim=1), torch.stack(rows, dim=1)
+    best = scores.argmax(dim=-1)  # [R, N, K]: the best candidate after each predecessor
+    read = torch.zeros(R, N, dtype=torch.long, device=scores.device)  # the predecessor row read at t
+    for t in range(1, N):
+        read[:, t] = best[:, t - 1].gather(1, read[:, t - 1:t])[:, 0]
+    picks = best.gather(2, read[:, :, None])  # [R, N, 1]
+    rows = scores.gather(2, read[:, :, None, None].expand(R, N, 1, K))[:, :, 0]
+    return candidate_ids.gather(2, picks)[:, :, 0], rows
 
 
 GREEDY_BELOW = 1e-5  # vLLM's sampling epsilon: a temperature below it samples greedily

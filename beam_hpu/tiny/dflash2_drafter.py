@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from beam_hpu.model.dflash2_ops import block_attention, grouped_conv, score_edges
+from beam_hpu.model.dflash2_ops import block_attention, block_mask, grouped_conv, score_edges
 from beam_hpu.tiny.drafter import rms_norm, rope
 
 WEIGHTS_FILE = "model.safetensors"
@@ -163,6 +163,7 @@ class TinyDFlash2(nn.Module):
         """Block rows [R, B, H] (embedded bonus + mask tokens) at positions [R, B] -> final-normed [R, B, H]."""
         s = self.shape
         h = embeds
+        seen = block_mask(positions, ctx_pos, ctx_valid, s.sliding_window)  # [R, B, C+B]
         for i, l in enumerate(self.layers):
             x = rms_norm(h, l.input_layernorm, s.rms_norm_eps)
             d = l.attention_conv.deltas(x)
@@ -170,8 +171,7 @@ class TinyDFlash2(nn.Module):
             q = self._heads(x, l.q_proj, l.q_norm, s.num_attention_heads, positions)
             k = self._heads(x, l.k_proj, l.k_norm, s.num_key_value_heads, positions)
             v = l.v_proj(x).view(*x.shape[:2], s.num_key_value_heads, s.head_dim)
-            a = block_attention(q, k, v, positions, ctx_k[i], ctx_v[i], ctx_pos, ctx_valid, s.sliding_window,
-                                s.head_dim**-0.5)
+            a = block_attention(q, k, v, ctx_k[i], ctx_v[i], seen, s.head_dim**-0.5)
             a = l.o_proj(a.flatten(2))
             h = h + grouped_conv(a, l.attention_conv.base_kernel[1], d[:, :, 1])
             x = rms_norm(h, l.post_attention_layernorm, s.rms_norm_eps)

@@ -36,21 +36,26 @@ def extend(old: RequestContext | None, positions: torch.Tensor, keys: torch.Tens
     (last + 1) - j < window, and its later rows see less of the past.
     """
     if old is not None:
-        keep = old.positions < positions[0]
-        positions = torch.cat([old.positions[keep], positions])
-        keys = torch.cat([old.keys[:, keep], keys], dim=1)
-        values = torch.cat([old.values[:, keep], values], dim=1)
+        # rows are ordered by position: a count says which stay (no mask gather when all stay)
+        kept = int(torch.searchsorted(old.positions, positions[:1]))
+        positions = torch.cat([old.positions[:kept], positions])
+        keys = torch.cat([old.keys[:, :kept], keys], dim=1)
+        values = torch.cat([old.values[:, :kept], values], dim=1)
     if window is not None:
-        keep = positions > positions[-1] + 1 - window
-        positions, keys, values = positions[keep], keys[:, keep], values[:, keep]
+        gone = int(torch.searchsorted(positions, positions[-1:] + 2 - window))  # rows at <= last + 1 - window
+        if gone:
+            positions, keys, values = positions[gone:], keys[:, gone:], values[:, gone:]
     return RequestContext(positions, keys, values)
 
 
 def batch(contexts: list[RequestContext]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One padded batch: keys, values [L, R, C, Nkv, D] (C the longest), positions [R, C] and
     valid [R, C] (False on padding rows, which the drafter's attention masks out)."""
-    width = max(c.positions.shape[0] for c in contexts)
     first = contexts[0]
+    if len(contexts) == 1:  # nothing to pad
+        valid = torch.ones_like(first.positions, dtype=torch.bool)
+        return first.keys[:, None], first.values[:, None], first.positions[None], valid[None]
+    width = max(c.positions.shape[0] for c in contexts)
     L, _, nkv, d = first.keys.shape
     R = len(contexts)
     keys = first.keys.new_zeros(L, R, width, nkv, d)

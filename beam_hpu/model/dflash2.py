@@ -196,7 +196,6 @@ class DFlash2BeamAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads // tp
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.window = config.sliding_window
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=False, prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
